@@ -1,0 +1,1 @@
+"""backends package of tierfs."""

@@ -1,0 +1,1 @@
+"""fs package of tierfs."""

@@ -1,0 +1,1 @@
+"""satisfier package of tierfs."""
