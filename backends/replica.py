@@ -1,0 +1,501 @@
+"""An open replica: its data file and meta file, with verified reads and checksummed writes.
+
+A replica is two files on one volume: ``blk_<id>`` holds the block's bytes and
+``blk_<id>_<gs>.meta`` holds a 7-byte header and one CRC32C per chunk of
+``bytes_per_checksum`` bytes (see ``backends/meta.py``). Every read checks the CRCs of the
+chunks it touches; every write rewrites the CRCs of the chunks it touches, so the two files
+agree after each call returns.
+
+Speed. The daemon serves FUSE writes straight into these calls, so the common cases are kept
+to a couple of system calls on descriptors held open:
+
+* an append (above all a small one into a partial last chunk) continues that chunk's CRC from
+  its stored value, ``crc32c(new, prev)``, without reading the chunk back;
+* a chunk-aligned read is one ``pread`` of data and one of the CRCs;
+* whole chunks are checksummed from memoryview slices, so nothing is copied.
+
+Only a write or truncate that cuts into the middle of an existing chunk reads that chunk back,
+and it verifies the old chunk first, so a corrupt byte is never blessed with a fresh CRC.
+
+Sharing. Several Replica objects may be open on one block of one volume (the writer and any
+number of readers). They share one ``_BlockState``: the current length, a lock, and what the
+writer caches about the meta file. A reader therefore sees a growing file grow, and a read in
+one thread never sees data whose CRC another thread has not written yet. The lock is held only
+around the system calls; CRCs of reads are verified outside it.
+
+Crash states (the data file is written before the meta file, in every call):
+
+============================================  ==============================================
+crash between the two writes                  what ``verified_length`` later reports
+============================================  ==============================================
+append: data longer than its CRCs cover       the old length, even inside a partial chunk
+overwrite: new data, old CRC                  the start of the first chunk that fails
+truncate (meta cut and re-CRCed, data not)    the new length
+============================================  ==============================================
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from typing import TYPE_CHECKING
+
+from tierfs.backends.meta import (
+    CRC_SIZE,
+    HEADER_SIZE,
+    byte_view,
+    chunk_crc_list,
+    chunk_crcs,
+    crc32c,
+    crc_offset,
+    first_bad_chunk,
+    longest_matching_prefix,
+    num_chunks,
+    pack_crcs,
+    unpack_crc,
+    zero_chunk_crc,
+)
+from tierfs.fs.errors import ChecksumError, FsError, VolumeError
+
+if TYPE_CHECKING:
+    from tierfs.backends.volume import Volume
+
+_RECOVERY_SPAN = 4 << 20
+"""Bytes read at a time by ``verified_length``: big enough to be fast, small enough for RAM."""
+
+
+class _BlockState:
+    """What every open Replica of one block on one volume must agree on.
+
+    ``length`` is the data file's length. ``meta_ino`` names the meta file that ``meta_size``
+    and ``tail_crc`` describe (the writer's; a stale meta file opened by a reader is never
+    written). ``tail_crc`` caches the stored CRC of a partial last chunk, or is None when
+    unknown or when the last chunk is full. ``deleted`` stops space accounting once the
+    volume has deleted the files.
+    """
+
+    __slots__ = ("lock", "length", "users", "meta_ino", "meta_size", "tail_crc", "deleted")
+
+    def __init__(self, length: int):
+        self.lock = threading.Lock()
+        self.length = length
+        self.users = 0
+        self.meta_ino: int | None = None
+        self.meta_size = 0
+        self.tail_crc: int | None = None
+        self.deleted = False
+
+
+class Replica:
+    """An open replica: synchronous I/O on its data and meta file. Callers decide about threads.
+
+    Created by ``Volume.create_replica`` and ``Volume.open_replica``. ``gs`` is the generation
+    stamp in the meta file's name; ``bytes_per_checksum`` comes from the meta header.
+    """
+
+    __slots__ = (
+        "volume",
+        "block_id",
+        "gs",
+        "bytes_per_checksum",
+        "writable",
+        "_data_fd",
+        "_meta_fd",
+        "_meta_ino",
+        "_state",
+        "_closed",
+        "_can_write",
+    )
+
+    def __init__(
+        self,
+        volume: Volume,
+        block_id: int,
+        gs: int,
+        bytes_per_checksum: int,
+        data_fd: int,
+        meta_fd: int,
+        *,
+        writable: bool,
+    ):
+        """Take ownership of two open descriptors (use the Volume methods, not this)."""
+        self.volume = volume
+        self.block_id = block_id
+        self.gs = gs
+        self.bytes_per_checksum = bytes_per_checksum
+        self.writable = writable
+        self._data_fd = data_fd
+        self._meta_fd = meta_fd
+        self._meta_ino = os.fstat(meta_fd).st_ino
+        self._state = volume._attach(block_id, data_fd)
+        self._closed = False
+        self._can_write = writable
+
+    # ------------------------------------------------------------------ reading
+
+    @property
+    def length(self) -> int:
+        """Current data length, shared by every Replica open on this block of this volume."""
+        return self._state.length
+
+    def read(self, offset: int, size: int) -> bytes:
+        """Up to ``size`` bytes at ``offset`` (``b""`` at or after the end), verified.
+
+        The chunk-aligned range around the request is read with one ``pread`` and its CRCs
+        with another; a mismatch raises ChecksumError naming the volume, block and chunk.
+        """
+        if self._closed:
+            self._refuse("read")
+        if offset < 0 or size < 0:
+            raise ValueError(f"negative offset or size ({offset}, {size})")
+        bpc = self.bytes_per_checksum
+        state = self._state
+        with state.lock:
+            length = state.length
+            if offset >= length or size == 0:
+                return b""
+            end = min(offset + size, length)
+            first = offset // bpc
+            start = first * bpc
+            last = (end - 1) // bpc
+            stop = min(last * bpc + bpc, length)
+            try:
+                buf = os.pread(self._data_fd, stop - start, start)
+                stored = os.pread(self._meta_fd, (last - first + 1) * CRC_SIZE, crc_offset(first))
+            except OSError as e:
+                raise self._os_error("read", e) from e
+        if len(buf) != stop - start:
+            raise self._damaged(f"data file is shorter than {stop} bytes")
+        if chunk_crcs(buf, bpc) != stored:
+            self._raise_mismatch(buf, stored, first)
+        if start == offset and stop == end:
+            return buf
+        return buf[offset - start : end - start]
+
+    def verified_length(self) -> int:
+        """Length of the longest prefix of the data whose chunks verify (crash recovery).
+
+        Only chunks that have both data and a stored CRC are considered, in order, up to the
+        first that fails. If that failing chunk is the last one with a CRC, the data may
+        simply have been appended past what its CRC covers when the process died, so the
+        longest prefix of that chunk matching the stored CRC still counts: acknowledged bytes
+        in a partial chunk are not lost. The files are not changed; ``truncate`` to the
+        result makes them consistent.
+        """
+        if self._closed:
+            self._refuse("verify")
+        bpc = self.bytes_per_checksum
+        with self._state.lock:
+            try:
+                data_len = os.fstat(self._data_fd).st_size
+                crc_count = max(0, (os.fstat(self._meta_fd).st_size - HEADER_SIZE) // CRC_SIZE)
+                chunks = min(num_chunks(data_len, bpc), crc_count)
+                covered = min(data_len, chunks * bpc)
+                step = max(1, _RECOVERY_SPAN // bpc) * bpc
+                for pos in range(0, covered, step):
+                    span = min(step, covered - pos)
+                    buf = os.pread(self._data_fd, span, pos)
+                    stored = os.pread(self._meta_fd, num_chunks(span, bpc) * CRC_SIZE, crc_offset(pos // bpc))
+                    bad = first_bad_chunk(buf, stored, bpc)
+                    if bad is not None:
+                        return self._recovered_length(buf, stored, bad, pos // bpc, chunks)
+            except OSError as e:
+                raise self._os_error("verify", e) from e
+        return covered
+
+    def _recovered_length(self, buf: bytes, stored: bytes, bad: int, base: int, chunks: int) -> int:
+        """Verified length when chunk ``base + bad`` (index ``bad`` in ``buf``) fails."""
+        bpc = self.bytes_per_checksum
+        index = base + bad
+        if index != chunks - 1:
+            return index * bpc
+        chunk = memoryview(buf)[bad * bpc : bad * bpc + bpc]
+        return index * bpc + longest_matching_prefix(chunk, unpack_crc(stored, bad * CRC_SIZE))
+
+    # ------------------------------------------------------------------ writing
+
+    def write(self, offset: int, data) -> None:
+        """Write ``data`` (bytes-like) at ``offset``, updating the CRC of every touched chunk.
+
+        Writing past the end first fills the gap with zeros, with their CRCs, so every chunk
+        up to the end always has a CRC that matches. ENOSPC from the OS becomes
+        FsError(ENOSPC); any other OSError FsError(EIO). The volume's used bytes follow.
+        """
+        if not self._can_write:
+            self._refuse("write")
+        mv = byte_view(data)
+        if not mv:
+            return
+        if offset < 0:
+            raise ValueError(f"negative offset {offset}")
+        state = self._state
+        with state.lock:
+            try:
+                self._write_locked(state, offset, mv)
+            except OSError as e:
+                raise self._os_error("write", e) from e
+
+    def _write_locked(self, state: _BlockState, offset: int, mv: memoryview) -> None:
+        """The body of ``write``; the caller holds the block lock."""
+        bpc = self.bytes_per_checksum
+        if state.meta_ino != self._meta_ino:
+            self._adopt_meta(state)
+        length = state.length
+        if offset > length:
+            self._extend(state, offset)
+            length = offset
+        end = offset + len(mv)
+        first, skip = divmod(offset, bpc)
+        last = (end - 1) // bpc
+        old_chunk = None
+        if skip == 0:
+            prefix_crc = 0
+        elif offset == length:
+            prefix_crc = self._tail_crc(state)
+        else:
+            old_chunk = self._verified_chunk(first, length)
+            prefix_crc = crc32c(old_chunk[:skip])
+        crcs = chunk_crc_list(mv, bpc, skip=skip, value=prefix_crc)
+        if end < length and end % bpc:
+            if old_chunk is None or last != first:
+                old_chunk = self._verified_chunk(last, length)
+            crcs[-1] = crc32c(old_chunk[end - last * bpc :], crcs[-1])
+        _pwrite_all(self._data_fd, mv, offset)
+        meta_end = _pwrite_all(self._meta_fd, pack_crcs(crcs), crc_offset(first))
+        new_length = max(length, end)
+        if new_length % bpc == 0:
+            state.tail_crc = None
+        elif last == (new_length - 1) // bpc:
+            state.tail_crc = crcs[-1]
+        self._grow(state, new_length, meta_end)
+
+    def truncate(self, length: int) -> None:
+        """Cut the replica to ``length`` bytes, or extend it with zeros, keeping CRCs exact.
+
+        Cutting inside a chunk recomputes that chunk's CRC from the bytes that remain, after
+        checking the old chunk (a crash-recovery cut to ``verified_length`` is accepted when
+        the stored CRC already matches the kept prefix). The meta file is cut and re-CRCed
+        before the data file, so a crash in between still recovers to ``length``.
+        """
+        if not self._can_write:
+            self._refuse("truncate")
+        if length < 0:
+            raise ValueError(f"negative length {length}")
+        state = self._state
+        with state.lock:
+            try:
+                if state.meta_ino != self._meta_ino:
+                    self._adopt_meta(state)
+                if length > state.length:
+                    self._extend(state, length)
+                elif length < state.length:
+                    self._shrink(state, length)
+            except OSError as e:
+                raise self._os_error("truncate", e) from e
+
+    def _extend(self, state: _BlockState, new_length: int) -> None:
+        """Grow the replica with zeros to ``new_length`` and write their CRCs."""
+        bpc = self.bytes_per_checksum
+        old_length = state.length
+        first, skip = divmod(old_length, bpc)
+        crcs = []
+        pos = old_length
+        if skip:
+            fill = min(bpc - skip, new_length - old_length)
+            crcs.append(crc32c(bytes(fill), self._tail_crc(state)))
+            pos += fill
+        full, rest = divmod(new_length - pos, bpc)
+        packed = pack_crcs(crcs) if crcs else b""
+        packed += pack_crcs([zero_chunk_crc(bpc)]) * full
+        if rest:
+            packed += pack_crcs([zero_chunk_crc(rest)])
+        os.ftruncate(self._data_fd, new_length)
+        meta_end = _pwrite_all(self._meta_fd, packed, crc_offset(first))
+        if new_length % bpc == 0:
+            state.tail_crc = None
+        else:
+            state.tail_crc = zero_chunk_crc(rest) if rest else crcs[-1]
+        self._grow(state, new_length, meta_end)
+
+    def _shrink(self, state: _BlockState, new_length: int) -> None:
+        """Cut the replica to ``new_length`` bytes (meta file first, see ``truncate``)."""
+        bpc = self.bytes_per_checksum
+        index, keep = divmod(new_length, bpc)
+        meta_length = crc_offset(num_chunks(new_length, bpc))
+        if keep:
+            new_crc = self._cut_chunk_crc(index, keep, state.length)
+            os.ftruncate(self._meta_fd, meta_length)
+            _pwrite_all(self._meta_fd, pack_crcs([new_crc]), crc_offset(index))
+            state.tail_crc = new_crc
+        else:
+            os.ftruncate(self._meta_fd, meta_length)
+            state.tail_crc = None
+        os.ftruncate(self._data_fd, new_length)
+        delta = (new_length - state.length) + (meta_length - state.meta_size)
+        state.length = new_length
+        state.meta_size = meta_length
+        self._charge(state, delta)
+
+    def _cut_chunk_crc(self, index: int, keep: int, length: int) -> int:
+        """CRC of the first ``keep`` bytes of chunk ``index``, after checking the chunk.
+
+        The chunk passes if its whole old content matches the stored CRC, or if the stored
+        CRC already covers exactly the kept prefix (a torn append being rolled back).
+        """
+        bpc = self.bytes_per_checksum
+        old = os.pread(self._data_fd, min(bpc, length - index * bpc), index * bpc)
+        stored = self._stored_crc(index)
+        new_crc = crc32c(memoryview(old)[:keep])
+        if new_crc != stored and crc32c(old) != stored:
+            raise self._mismatch(index, stored, crc32c(old))
+        return new_crc
+
+    def set_gs(self, new_gs: int) -> None:
+        """Rename the meta file to the new generation stamp, durably.
+
+        Called before any byte of a new version is written, so a crash leaves either the old
+        name over old data or the new name; a replica with the old name is then stale.
+        """
+        if not self._can_write:
+            self._refuse("set the generation stamp of")
+        if new_gs == self.gs:
+            return
+        old_path = self.volume.meta_path(self.block_id, self.gs)
+        new_path = self.volume.meta_path(self.block_id, new_gs)
+        if new_path.exists():
+            raise VolumeError(f"cannot rename {old_path.name}: {new_path} already exists", errno.EEXIST)
+        try:
+            os.rename(old_path, new_path)
+            self.volume._fsync_dir(new_path.parent)
+        except OSError as e:
+            raise self._os_error("rename the meta file of", e) from e
+        self.gs = new_gs
+
+    def fsync(self) -> None:
+        """Make the data and meta file durable (``fdatasync`` both)."""
+        if self._closed:
+            self._refuse("fsync")
+        try:
+            os.fdatasync(self._data_fd)
+            os.fdatasync(self._meta_fd)
+        except OSError as e:
+            raise self._os_error("fsync", e) from e
+
+    def close(self) -> None:
+        """Close both files; calling it again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        self._can_write = False
+        self.volume._detach(self.block_id, self._state)
+        for fd in (self._data_fd, self._meta_fd):
+            os.close(fd)
+
+    def __enter__(self) -> Replica:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        mode = "rw" if self.writable else "r"
+        state = "closed" if self._closed else f"length={self.length}"
+        return f"<Replica blk_{self.block_id}_{self.gs} on {self.volume.path} {mode} {state}>"
+
+    # ------------------------------------------------------------------ helpers
+
+    def _adopt_meta(self, state: _BlockState) -> None:
+        """Make ``state`` describe this replica's meta file before writing through it."""
+        state.meta_ino = self._meta_ino
+        state.meta_size = os.fstat(self._meta_fd).st_size
+        state.tail_crc = None
+
+    def _tail_crc(self, state: _BlockState) -> int:
+        """Stored CRC of the partial last chunk, read once and then cached in ``state``."""
+        if state.tail_crc is None:
+            state.tail_crc = self._stored_crc(state.length // self.bytes_per_checksum)
+        return state.tail_crc
+
+    def _stored_crc(self, index: int) -> int:
+        """The CRC the meta file holds for chunk ``index``."""
+        raw = os.pread(self._meta_fd, CRC_SIZE, crc_offset(index))
+        if len(raw) != CRC_SIZE:
+            raise self._damaged(f"meta file has no checksum for chunk {index}")
+        return unpack_crc(raw)
+
+    def _verified_chunk(self, index: int, length: int) -> bytes:
+        """The current bytes of chunk ``index``, checked against its stored CRC."""
+        bpc = self.bytes_per_checksum
+        start = index * bpc
+        data = os.pread(self._data_fd, min(bpc, length - start), start)
+        stored = self._stored_crc(index)
+        actual = crc32c(data)
+        if actual != stored:
+            raise self._mismatch(index, stored, actual)
+        return data
+
+    def _grow(self, state: _BlockState, new_length: int, meta_end: int) -> None:
+        """Record that the data file reached ``new_length`` and the meta file ``meta_end``."""
+        delta = 0
+        if new_length > state.length:
+            delta = new_length - state.length
+            state.length = new_length
+        if meta_end > state.meta_size:
+            delta += meta_end - state.meta_size
+            state.meta_size = meta_end
+        if delta:
+            self._charge(state, delta)
+
+    def _charge(self, state: _BlockState, delta: int) -> None:
+        """Tell the volume its used bytes changed, unless it has deleted these files."""
+        if delta and not state.deleted:
+            self.volume._charge(delta)
+
+    def _where(self) -> str:
+        return f"block {self.block_id} (blk_{self.block_id}_{self.gs}) on volume {self.volume.path}"
+
+    def _mismatch(self, index: int, stored: int, actual: int) -> ChecksumError:
+        return ChecksumError(
+            f"checksum error in {self._where()}, chunk {index}: "
+            f"stored crc32c {stored:#010x}, data has {actual:#010x}"
+        )
+
+    def _damaged(self, what: str) -> ChecksumError:
+        return ChecksumError(f"{self._where()} is damaged: {what}")
+
+    def _raise_mismatch(self, buf: bytes, stored: bytes, first: int) -> None:
+        """Raise the ChecksumError for the first bad chunk of a read."""
+        bpc = self.bytes_per_checksum
+        bad = first_bad_chunk(buf, stored, bpc)
+        index = first + bad
+        at = bad * CRC_SIZE
+        if len(stored) < at + CRC_SIZE:
+            raise self._damaged(f"meta file has no checksum for chunk {index}")
+        actual = crc32c(memoryview(buf)[bad * bpc : bad * bpc + bpc])
+        raise self._mismatch(index, unpack_crc(stored, at), actual)
+
+    def _os_error(self, action: str, e: OSError) -> FsError:
+        """The FsError for an OSError: ENOSPC (and EDQUOT) stay ENOSPC, the rest is EIO."""
+        reason = e.strerror or str(e)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return FsError(errno.ENOSPC, f"no space to {action} {self._where()}: {reason}")
+        return FsError(errno.EIO, f"cannot {action} {self._where()}: {reason}")
+
+    def _refuse(self, action: str) -> None:
+        """A caller bug (I/O on a closed or read-only replica): loud, not an errno."""
+        why = "closed" if self._closed else "opened read-only"
+        raise ValueError(f"cannot {action} {self._where()}: replica is {why}")
+
+
+def _pwrite_all(fd: int, data, offset: int) -> int:
+    """Write all of ``data`` at ``offset`` (retrying short writes); return the end offset."""
+    mv = byte_view(data)
+    end = offset + len(mv)
+    while mv:
+        written = os.pwrite(fd, mv, offset)
+        if written <= 0:
+            raise OSError(errno.EIO, f"pwrite wrote nothing at offset {offset}")
+        mv = mv[written:]
+        offset += written
+    return end
