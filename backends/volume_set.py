@@ -1,0 +1,73 @@
+"""The set of volumes of one filesystem, and the choice of volumes for a new replica."""
+
+from __future__ import annotations
+
+import errno
+import logging
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from tierfs.backends.storage_types import StorageType
+from tierfs.backends.volume import Volume
+from tierfs.fs.errors import FsError
+
+log = logging.getLogger(__name__)
+
+
+def resolve_volume_path(data_dir: Path, recorded: str) -> Path:
+    """Volume paths inside DATA are recorded relative to it, so DATA can be moved."""
+    path = Path(recorded)
+    return path if path.is_absolute() else data_dir / path
+
+
+class VolumeSet:
+    """All volumes of a mounted (or inspected) filesystem, by id and by storage type."""
+
+    def __init__(self, volumes: Iterable[Volume]):
+        self.by_id: dict[int, Volume] = {v.id: v for v in volumes}
+
+    @classmethod
+    def open(cls, data_dir: Path, fs_uuid: str, configs: Sequence) -> "VolumeSet":
+        """Open every recorded volume, checking its identity file (clear errors if not)."""
+        return cls(
+            Volume.open(resolve_volume_path(data_dir, c.path), fs_uuid=fs_uuid,
+                        volume_uuid=c.uuid, volume_id=c.id,
+                        storage_type=StorageType.parse(c.storage_type),
+                        capacity=c.capacity)
+            for c in configs)
+
+    def __iter__(self):
+        return iter(self.by_id.values())
+
+    def __len__(self) -> int:
+        return len(self.by_id)
+
+    def get(self, volume_id: int) -> Volume:
+        try:
+            return self.by_id[volume_id]
+        except KeyError:
+            raise FsError(errno.EIO, f"unknown volume id {volume_id}") from None
+
+    def types(self) -> set[StorageType]:
+        return {v.storage_type for v in self.by_id.values()}
+
+    def of_type(self, storage_type: StorageType) -> list[Volume]:
+        return [v for v in self.by_id.values() if v.storage_type == storage_type]
+
+    def pick(self, storage_type: StorageType, nbytes: int,
+             exclude: Iterable[int] = ()) -> Volume | None:
+        """The volume of that type with the most free space that has room for ``nbytes``.
+
+        Distinct replicas of a block never share a volume (``exclude``).
+        """
+        excluded = set(exclude)
+        candidates = [v for v in self.of_type(storage_type)
+                      if v.id not in excluded and v.has_room(nbytes)]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda v: v.free_bytes())
+
+    def sorted_for_read(self, volume_ids: Iterable[int]) -> list[Volume]:
+        """Replicas in read preference order: fastest storage type first."""
+        vols = [self.by_id[v] for v in volume_ids if v in self.by_id]
+        return sorted(vols, key=lambda v: (int(v.storage_type), v.id))

@@ -1,0 +1,351 @@
+"""File data: blocks, replicas, generation stamps, lengths, fsync.
+
+This is the only module that touches both the block map (through the namespace) and the
+volumes. Everything here runs in the trio thread and is synchronous except ``fsync`` and
+``truncate``, which take the file's lock and push the slow part (fsync of replica files and
+of the namespace) to a worker thread. Short reads and writes stay inline: they hit the page
+cache of the backing filesystem, and a thread hop would cost more than the I/O.
+
+State of an open file lives in one :class:`OpenFile` per inode, shared by all its handles,
+so readers and writers of one inode see the same length at once.
+
+Durability rules (DESIGN.md sections 3-4):
+- a new block's replica files are written and fsynced before the namespace refers to them;
+- a replica's new generation stamp is on its meta file before any byte of the new version is
+  written, and before the namespace records it (so a crash in between leaves the replica
+  newer than the namespace, which recovery accepts);
+- lengths, sizes and times of open files are kept in memory and persisted on flush, fsync,
+  release, when a block fills and by the one-second tick;
+- dropped blocks go to the namespace trash in the dropping transaction; their files are
+  deleted after the commit.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import trio
+
+from tierfs.backends.replica import Replica
+from tierfs.backends.volume import Volume
+from tierfs.backends.volume_set import VolumeSet
+from tierfs.fs.errors import FsError
+from tierfs.fs.namespace import Namespace
+from tierfs.fs.schema import BlockRecord
+
+log = logging.getLogger(__name__)
+
+RELATIME_NS = 24 * 3600 * 10**9
+
+# Chooses the volumes of a new block of inode ``ino`` that will hold ``nbytes`` now.
+Placer = Callable[[int, int], list[Volume]]
+
+
+@dataclass(eq=False)
+class OpenFile:
+    """In-memory state of one inode while it has open handles (or a truncate runs)."""
+
+    ino: int
+    size: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    blocks: dict[int, BlockRecord]
+    users: int = 0
+    writers: int = 0
+    attrs_dirty: bool = False
+    replicas: dict[int, list[Replica]] = field(default_factory=dict)
+    writable: set[int] = field(default_factory=set)   # block indexes opened for writing
+    bumped: set[int] = field(default_factory=set)     # blocks this write session re-stamped
+    dirty: set[int] = field(default_factory=set)      # block lengths not yet persisted
+    unsynced: set[int] = field(default_factory=set)   # blocks written since the last fsync
+    lock: trio.Lock = field(default_factory=trio.Lock)
+
+
+class BlockIO:
+    """Reads and writes file data for a mounted filesystem."""
+
+    def __init__(self, ns: Namespace, volumes: VolumeSet, placer: Placer, session: bytes):
+        self.ns = ns
+        self.volumes = volumes
+        self.placer = placer
+        self.session = session
+        self.block_size = ns.config.block_size
+        self.bpc = ns.config.bytes_per_checksum
+        self.files: dict[int, OpenFile] = {}
+
+    # --- open and close ---------------------------------------------------------------------
+
+    def acquire(self, ino: int, *, writer: bool) -> OpenFile:
+        """Open state of ``ino`` for one more user; a first writer takes the lease."""
+        of = self.files.get(ino)
+        if of is None:
+            inode = self.ns.get_inode(ino)
+            of = OpenFile(ino, inode.size, inode.atime_ns, inode.mtime_ns, inode.ctime_ns,
+                          self.ns.get_blocks(ino))
+            self.files[ino] = of
+        if writer and of.writers == 0:
+            try:
+                self.ns.take_lease(ino, self.session, time.time_ns())
+            except BaseException:
+                if of.users == 0:
+                    del self.files[ino]
+                raise
+        of.users += 1
+        of.writers += int(writer)
+        return of
+
+    def release(self, of: OpenFile, *, writer: bool) -> None:
+        """One user is done; the last writer persists and drops the lease."""
+        of.users -= 1
+        of.writers -= int(writer)
+        last_writer = writer and of.writers == 0
+        if last_writer:
+            self.persist(of, drop_lease=True)
+            of.bumped.clear()
+        elif of.attrs_dirty or of.dirty:
+            self.persist(of)
+        if of.users == 0:
+            self._close_replicas(of)
+            del self.files[of.ino]
+
+    def _close_replicas(self, of: OpenFile, indexes=None) -> None:
+        for index in list(of.replicas) if indexes is None else indexes:
+            for replica in of.replicas.pop(index, []):
+                replica.close()
+            of.writable.discard(index)
+
+    # --- persistence --------------------------------------------------------------------------
+
+    def persist(self, of: OpenFile, *, drop_lease: bool = False) -> None:
+        """Write the in-memory length, times and dirty block lengths in one transaction."""
+        blocks = {i: of.blocks[i] for i in of.dirty if i in of.blocks}
+        self.ns.persist_file(of.ino, size=of.size, mtime_ns=of.mtime_ns,
+                             ctime_ns=of.ctime_ns, atime_ns=of.atime_ns, blocks=blocks,
+                             drop_lease=drop_lease)
+        of.dirty.clear()
+        of.attrs_dirty = False
+
+    def persist_all(self) -> None:
+        """The one-second tick: every open file's metadata reaches the namespace."""
+        for of in list(self.files.values()):
+            if of.attrs_dirty or of.dirty:
+                self.persist(of)
+
+    async def fsync(self, of: OpenFile) -> None:
+        """Make the file's data and all metadata durable before returning."""
+        async with of.lock:
+            self.persist(of)
+            replicas = [r for i in of.unsynced for r in of.replicas.get(i, ())]
+            of.unsynced.clear()
+            await trio.to_thread.run_sync(self._sync_replicas_and_namespace, replicas)
+
+    def _sync_replicas_and_namespace(self, replicas: list[Replica]) -> None:
+        for replica in replicas:
+            replica.fsync()
+        self.ns.sync()
+
+    async def sync_all(self) -> None:
+        """syncfs: every open file's data and the whole namespace."""
+        for of in list(self.files.values()):
+            await self.fsync(of)
+        await trio.to_thread.run_sync(self.ns.sync)
+
+    # --- replicas ------------------------------------------------------------------------------
+
+    def _replicas(self, of: OpenFile, index: int, *, writable: bool) -> list[Replica]:
+        """Open replicas of a block (fastest storage type first), cached while open."""
+        if index in of.replicas and (not writable or index in of.writable):
+            return of.replicas[index]
+        self._close_replicas(of, [index])
+        rec = of.blocks[index]
+        opened = []
+        for volume in self.volumes.sorted_for_read(rec.volumes):
+            try:
+                opened.append(volume.open_replica(rec.block_id, rec.gs, writable=writable))
+            except FsError as exc:
+                log.error("replica of block %d on %s unusable: %s", rec.block_id,
+                          volume.path, exc)
+                if writable:
+                    for replica in opened:
+                        replica.close()
+                    raise FsError(errno.EIO, f"replica of block {rec.block_id} on "
+                                             f"{volume.path} unusable: {exc}") from None
+        of.replicas[index] = opened
+        if writable:
+            of.writable.add(index)
+        return opened
+
+    # --- read ----------------------------------------------------------------------------------
+
+    def read(self, of: OpenFile, offset: int, size: int) -> bytes:
+        """Verified data; holes and the unwritten tail of a block read as zeros."""
+        end = min(offset + size, of.size)
+        if end <= offset:
+            return b""
+        pieces = []
+        pos = offset
+        bs = self.block_size
+        while pos < end:
+            index, boff = divmod(pos, bs)
+            count = min(bs - boff, end - pos)
+            rec = of.blocks.get(index)
+            if rec is None or boff >= rec.length:
+                pieces.append(bytes(count))
+            else:
+                data = self._read_block(of, index, boff, min(count, rec.length - boff))
+                pieces.append(data if len(data) == count else data + bytes(count - len(data)))
+            pos += count
+        self._touch_atime(of)
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    def _read_block(self, of: OpenFile, index: int, boff: int, count: int) -> bytes:
+        replicas = self._replicas(of, index, writable=index in of.writable)
+        for replica in replicas:
+            try:
+                return replica.read(boff, count)
+            except FsError as exc:
+                log.error("read of block %d from %s failed: %s", replica.block_id,
+                          replica.volume.path, exc)
+        raise FsError(errno.EIO, f"no readable replica of block {of.blocks[index].block_id} "
+                                 f"of inode {of.ino}")
+
+    def _touch_atime(self, of: OpenFile) -> None:
+        """relatime: update atime only when it is older than mtime/ctime or a day old."""
+        now = time.time_ns()
+        if (of.atime_ns <= of.mtime_ns or of.atime_ns <= of.ctime_ns
+                or now - of.atime_ns > RELATIME_NS):
+            of.atime_ns = now
+            of.attrs_dirty = True
+
+    # --- write ---------------------------------------------------------------------------------
+
+    def write(self, of: OpenFile, offset: int, data) -> int:
+        """Write ``data`` at ``offset``; returns the byte count (all or an error)."""
+        view = memoryview(data)
+        total = len(view)
+        pos = 0
+        bs = self.block_size
+        while pos < total:
+            index, boff = divmod(offset + pos, bs)
+            count = min(bs - boff, total - pos)
+            piece = view[pos:pos + count]
+            if index in of.blocks:
+                self._write_existing(of, index, boff, piece)
+            else:
+                self._write_new_block(of, index, boff, piece)
+            of.dirty.add(index)
+            of.unsynced.add(index)
+            pos += count
+        now = time.time_ns()
+        if offset + total > of.size:
+            of.size = offset + total
+        of.mtime_ns = of.ctime_ns = now
+        of.attrs_dirty = True
+        if (offset + total) % bs == 0:
+            self.persist(of)  # a block filled: its length reaches the namespace
+        return total
+
+    def _write_existing(self, of: OpenFile, index: int, boff: int, piece) -> None:
+        rec = of.blocks[index]
+        replicas = self._replicas(of, index, writable=True)
+        if not replicas:
+            raise FsError(errno.EIO, f"block {rec.block_id} has no writable replica")
+        growth = max(0, boff + len(piece) - rec.length)
+        for replica in replicas:
+            if growth and not replica.volume.has_room(growth):
+                raise FsError(errno.ENOSPC, f"volume {replica.volume.path} is full")
+        if index not in of.bumped:
+            self._bump(of, index, replicas)
+        for replica in replicas:
+            replica.write(boff, piece)
+        if boff + len(piece) > rec.length:
+            rec.length = boff + len(piece)
+
+    def _bump(self, of: OpenFile, index: int, replicas: list[Replica]) -> None:
+        """First change of an existing block in this write session: a new generation stamp,
+        on every replica's meta file first, then in the namespace."""
+        gs = self.ns.reserve("gs")
+        for replica in replicas:
+            replica.set_gs(gs)
+        self.ns.set_block_gs(of.ino, index, gs)
+        of.blocks[index].gs = gs
+        of.bumped.add(index)
+
+    def _write_new_block(self, of: OpenFile, index: int, boff: int, piece) -> None:
+        """Create the replicas, write the first data, fsync, then record the block."""
+        volumes = self.placer(of.ino, boff + len(piece))
+        block_id = self.ns.reserve("next_block_id")
+        gs = self.ns.reserve("gs")
+        replicas: list[Replica] = []
+        try:
+            for volume in volumes:
+                replica = volume.create_replica(block_id, gs, self.bpc)
+                replicas.append(replica)
+                replica.write(boff, piece)
+                replica.fsync()
+            rec = BlockRecord(block_id, gs, boff + len(piece), tuple(v.id for v in volumes))
+            self.ns.add_block(of.ino, index, rec)
+        except BaseException:
+            for replica, volume in zip(replicas, volumes):
+                replica.close()
+                volume.delete_replica(block_id, gs)
+            raise
+        of.blocks[index] = rec
+        of.replicas[index] = sorted(replicas, key=lambda r: int(r.volume.storage_type))
+        of.writable.add(index)
+        of.bumped.add(index)
+
+    # --- truncate ------------------------------------------------------------------------------
+
+    async def truncate(self, of: OpenFile, new_size: int) -> None:
+        """Shrink (drop whole blocks, cut the last under a new GS) or grow (a hole)."""
+        async with of.lock:
+            now = time.time_ns()
+            if new_size < of.size:
+                self._shrink(of, new_size, now)
+            of.size = new_size
+            of.mtime_ns = of.ctime_ns = now
+            self.persist(of)
+
+    def _shrink(self, of: OpenFile, new_size: int, now: int) -> None:
+        bs = self.block_size
+        keep = -(-new_size // bs)
+        last = keep - 1
+        cut_at = new_size - last * bs
+        rec = of.blocks.get(last)
+        if rec is not None and rec.length > cut_at:
+            replicas = self._replicas(of, last, writable=True)
+            if last not in of.bumped:
+                self._bump(of, last, replicas)
+            for replica in replicas:
+                replica.truncate(cut_at)
+            rec.length = cut_at
+            of.dirty.add(last)
+            of.unsynced.add(last)
+        dropped = [i for i in of.blocks if i >= keep]
+        self._close_replicas(of, dropped)
+        for index in dropped:
+            del of.blocks[index]
+            of.dirty.discard(index)
+            of.unsynced.discard(index)
+            of.bumped.discard(index)
+        if dropped:
+            self.delete_trash(self.ns.truncate_blocks(of.ino, keep, new_size, now))
+
+    # --- deletion of replica files ---------------------------------------------------------------
+
+    def delete_trash(self, trash) -> None:
+        """Delete the files of replicas the namespace already dropped, then forget them."""
+        done = []
+        for block_id, gs, volume_ids in trash:
+            for volume_id in volume_ids:
+                volume = self.volumes.by_id.get(volume_id)
+                if volume is not None:
+                    volume.delete_replica(block_id, None)
+            done.append(block_id)
+        self.ns.trash_done(done)

@@ -1,0 +1,63 @@
+"""The mount lock: one daemon per filesystem, and a way for tools to see whether it runs.
+
+``DATA/namespace/mount.lock`` is held with ``flock`` by the daemon for its whole life and
+holds its pid and mount point. The kernel drops the lock when the daemon dies, even by
+kill -9, so a stale file never blocks a new mount.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from pathlib import Path
+
+from tierfs.fs.errors import FsError
+
+LOCK_NAME = "mount.lock"
+
+
+class MountLock:
+    def __init__(self, data_dir: Path):
+        self.data_dir = data_dir
+        self.path = data_dir / "namespace" / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self, mountpoint: Path) -> None:
+        """Take the lock or fail with a one-line message naming the holder."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            holder = self.holder()
+            where = f" (pid {holder[0]} on {holder[1]})" if holder else ""
+            raise FsError(errno.EBUSY, f"{self.data_dir} is already mounted{where}") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n{mountpoint}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)
+            os.close(self._fd)
+            self._fd = None
+
+    def holder(self) -> tuple[int, str] | None:
+        """(pid, mount point) of the running daemon, or None if nobody holds the lock."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                lines = os.pread(fd, 4096, 0).decode(errors="replace").splitlines()
+                if len(lines) >= 2 and lines[0].isdigit():
+                    return int(lines[0]), lines[1]
+                return 0, "?"
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+        finally:
+            os.close(fd)

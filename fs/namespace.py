@@ -1,0 +1,851 @@
+"""The namespace: every metadata read and write transaction of tierfs.
+
+Operations never see LMDB keys; they call the methods here. Each mutating method is one
+LMDB write transaction that takes the next TxID and appends one journal record in the same
+transaction (``_mutate``). A transaction never spans an ``await``: every method is
+synchronous, so inside the trio thread a mutation is atomic with respect to every other
+request.
+
+Write transactions are retried after growing the map when LMDB reports the map full; a
+full disk becomes ``FsError(ENOSPC)``. Bodies of mutations therefore change nothing
+outside the transaction: in-memory state is updated by the caller after the method returns.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+import time
+import uuid as uuidlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import lmdb
+
+from tierfs.fs import schema
+from tierfs.fs.errors import FsError
+from tierfs.fs.schema import BlockRecord, Inode, Op, ROOT_INO, u64
+
+log = logging.getLogger(__name__)
+
+NAME_MAX = 255
+INITIAL_MAP_SIZE = 64 << 20
+MAX_MAP_SIZE = 1 << 40
+# Block ids and generation stamps are reserved from the durable counters in batches so a
+# new block costs one transaction; skipped numbers are simply never used.
+ID_BATCH = 256
+
+
+@dataclass
+class VolumeConfig:
+    """A volume as recorded in the namespace at mkfs."""
+
+    id: int
+    uuid: str
+    storage_type: str
+    path: str
+    capacity: int | None = None
+
+    def to_dict(self) -> dict:
+        return {"id": self.id, "uuid": self.uuid, "storage_type": self.storage_type,
+                "path": self.path, "capacity": self.capacity}
+
+
+@dataclass
+class FsConfig:
+    """Settings chosen at mkfs; fixed for the life of the filesystem."""
+
+    fs_uuid: str
+    block_size: int
+    bytes_per_checksum: int
+    replication: int
+    default_policy: str
+    rename_mode: str
+    volumes: list[VolumeConfig] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class DirEntry:
+    cookie: int
+    name: bytes
+    ino: int
+
+
+def check_name(name: bytes) -> None:
+    """Names are enforced here so that f_namemax in statfs is the truth."""
+    if len(name) > NAME_MAX:
+        raise FsError(errno.ENAMETOOLONG, f"name longer than {NAME_MAX} bytes")
+    if not name or b"/" in name or name in (b".", b".."):
+        raise FsError(errno.EINVAL, f"invalid name {name!r}")
+
+
+def _enoent(what: str) -> FsError:
+    return FsError(errno.ENOENT, what)
+
+
+class _Write:
+    """The context handed to a mutation body: the transaction, its TxID, its record."""
+
+    __slots__ = ("txn", "txid", "args", "trash")
+
+    def __init__(self, txn: lmdb.Transaction, txid: int, args: tuple):
+        self.txn = txn
+        self.txid = txid
+        self.args = args
+        # Replicas dropped by this transaction: (block_id, gs, volumes) to delete after commit.
+        self.trash: list[tuple[int, int, tuple[int, ...]]] = []
+
+
+class Namespace:
+    """An open LMDB namespace. One per process; tools may open it beside a mount."""
+
+    def __init__(self, path: Path, env: lmdb.Environment, readonly: bool):
+        self.path = path
+        self.env = env
+        self.readonly = readonly
+        self.db = {name: env.open_db(name.encode(), create=not readonly)
+                   for name in schema.DATABASES}
+        self.config = self._load_config()
+        self._reserved: dict[str, list[int]] = {"next_block_id": [0, 0], "gs": [0, 0]}
+
+    # --- opening ------------------------------------------------------------------------
+
+    @staticmethod
+    def _open_env(path: Path, readonly: bool) -> lmdb.Environment:
+        size = INITIAL_MAP_SIZE
+        data = path / "data.mdb"
+        if data.exists():
+            size = max(size, data.stat().st_size * 2)
+        return lmdb.open(str(path), map_size=size, max_dbs=len(schema.DATABASES) + 2,
+                         subdir=True, readonly=readonly, sync=False, metasync=False,
+                         readahead=False, max_readers=256, lock=True)
+
+    @classmethod
+    def create(cls, path: Path, config: FsConfig, *, uid: int, gid: int, now_ns: int,
+               root_mode: int = 0o755) -> "Namespace":
+        """Write a new namespace: configuration, counters and the root directory."""
+        path.mkdir(parents=True, exist_ok=True)
+        env = cls._open_env(path, readonly=False)
+        with env.begin(write=True) as txn:
+            meta = env.open_db(b"meta", txn=txn)
+            if txn.get(b"fs_uuid", db=meta) is not None:
+                raise FsError(errno.EEXIST, f"{path} already holds a tierfs namespace")
+            values = {
+                "fs_uuid": config.fs_uuid, "layout_version": schema.LAYOUT_VERSION,
+                "block_size": config.block_size,
+                "bytes_per_checksum": config.bytes_per_checksum,
+                "replication": config.replication, "default_policy": config.default_policy,
+                "rename_mode": config.rename_mode, "state": "clean",
+                "volumes": [v.to_dict() for v in config.volumes],
+            }
+            for key, value in values.items():
+                txn.put(key.encode(), schema.pack_meta(value), db=meta)
+            for key, first in schema.COUNTERS.items():
+                txn.put(key.encode(), u64(first), db=meta)
+        ns = cls(path, env, readonly=False)
+        root = Inode(ROOT_INO, stat.S_IFDIR | root_mode, uid, gid, 2, 0, 0,
+                     now_ns, now_ns, now_ns, ROOT_INO)
+
+        def body(w: _Write) -> None:
+            w.txn.put(u64(ROOT_INO), root.pack(), db=ns.db["inodes"])
+
+        ns._mutate(Op.MKFS, (config.fs_uuid,), body)
+        ns.sync()
+        return ns
+
+    @classmethod
+    def open(cls, path: Path, *, readonly: bool = False) -> "Namespace":
+        if not (path / "data.mdb").exists():
+            raise FsError(errno.ENOENT, f"{path} holds no tierfs namespace")
+        try:
+            env = cls._open_env(path, readonly)
+        except lmdb.Error as exc:
+            raise FsError(errno.EIO, f"cannot open namespace {path}: {exc}") from None
+        return cls(path, env, readonly)
+
+    def close(self) -> None:
+        self.env.close()
+
+    def sync(self) -> None:
+        """Force every committed transaction to disk (fsync, syncfs, the 1 s tick)."""
+        self.env.sync(True)
+
+    def _load_config(self) -> FsConfig:
+        with self.env.begin() as txn:
+            def get(key: str):
+                raw = txn.get(key.encode(), db=self.db["meta"])
+                if raw is None:
+                    raise FsError(errno.EIO, f"namespace {self.path} lacks '{key}'")
+                return schema.unpack_meta(raw)
+            version = get("layout_version")
+            if version != schema.LAYOUT_VERSION:
+                raise FsError(errno.EIO, f"unsupported layout version {version}")
+            return FsConfig(
+                fs_uuid=get("fs_uuid"), block_size=get("block_size"),
+                bytes_per_checksum=get("bytes_per_checksum"),
+                replication=get("replication"), default_policy=get("default_policy"),
+                rename_mode=get("rename_mode"),
+                volumes=[VolumeConfig(**v) for v in get("volumes")])
+
+    # --- the write transaction ------------------------------------------------------------
+
+    def _mutate(self, op: int, args: tuple, body: Callable[[_Write], object]):
+        """Run ``body`` in one write transaction with a fresh TxID and a journal record.
+
+        Returns ``(result, trash)``-free: the body's result. Replicas the body trashed are
+        available through ``self.last_trash`` for deletion after the commit.
+        """
+        while True:
+            txn = self.env.begin(write=True)
+            try:
+                txid = self._take(txn, "txid") + 1
+                w = _Write(txn, txid, args)
+                result = body(w)
+                txn.put(u64(txid), schema.journal_record(op, w.args), db=self.db["journal"])
+                txn.commit()
+            except lmdb.MapFullError:
+                txn.abort()
+                self._grow_map()
+                continue
+            except lmdb.Error as exc:
+                txn.abort()
+                raise self._lmdb_error(exc) from None
+            except BaseException:
+                txn.abort()
+                raise
+            self.last_trash = w.trash
+            return result
+
+    def _grow_map(self) -> None:
+        size = self.env.info()["map_size"]
+        if size >= MAX_MAP_SIZE:
+            raise FsError(errno.ENOSPC, "namespace reached its maximum size")
+        self.env.set_mapsize(size * 2)
+        log.info("namespace map grown to %d MiB", size * 2 >> 20)
+
+    @staticmethod
+    def _lmdb_error(exc: lmdb.Error) -> FsError:
+        text = str(exc)
+        if "No space" in text or "ENOSPC" in text:
+            return FsError(errno.ENOSPC, "no space left for the namespace")
+        log.error("namespace I/O error: %s", text)
+        return FsError(errno.EIO, f"namespace error: {text}")
+
+    def _take(self, txn: lmdb.Transaction, counter: str, count: int = 1) -> int:
+        """Advance a durable counter by ``count``; returns its value before the advance."""
+        key = counter.encode()
+        value = schema.read_u64(txn.get(key, db=self.db["meta"]))
+        txn.put(key, u64(value + count), db=self.db["meta"])
+        return value
+
+    def last_txid(self) -> int:
+        with self.env.begin() as txn:
+            return schema.read_u64(txn.get(b"txid", db=self.db["meta"]))
+
+    # --- small transaction helpers ----------------------------------------------------------
+
+    def _inode(self, txn, ino: int) -> Inode:
+        raw = txn.get(u64(ino), db=self.db["inodes"])
+        if raw is None:
+            raise _enoent(f"inode {ino} does not exist")
+        return Inode.unpack(ino, raw)
+
+    def _put_inode(self, txn, inode: Inode) -> None:
+        txn.put(u64(inode.ino), inode.pack(), db=self.db["inodes"])
+
+    def _dir(self, txn, ino: int) -> Inode:
+        inode = self._inode(txn, ino)
+        if not stat.S_ISDIR(inode.mode):
+            raise FsError(errno.ENOTDIR, f"inode {ino} is not a directory")
+        if inode.nlink == 0:
+            raise _enoent(f"directory {ino} was removed")
+        return inode
+
+    def _child(self, txn, parent: int, name: bytes) -> tuple[int, int] | None:
+        raw = txn.get(schema.dentry_key(parent, name), db=self.db["dentries"])
+        return None if raw is None else schema.parse_dentry_value(raw)
+
+    def _add_dentry(self, txn, parent: Inode, name: bytes, child: int) -> None:
+        cookie = parent.next_cookie
+        parent.next_cookie += 1
+        txn.put(schema.dentry_key(parent.ino, name), schema.dentry_value(child, cookie),
+                db=self.db["dentries"])
+        txn.put(schema.cookie_key(parent.ino, cookie), name, db=self.db["dircookies"])
+        txn.put(schema.backlink_key(child, parent.ino, name), b"", db=self.db["backlinks"])
+
+    def _remove_dentry(self, txn, parent: int, name: bytes) -> int:
+        child, cookie = self._child(txn, parent, name)
+        txn.delete(schema.dentry_key(parent, name), db=self.db["dentries"])
+        txn.delete(schema.cookie_key(parent, cookie), db=self.db["dircookies"])
+        txn.delete(schema.backlink_key(child, parent, name), db=self.db["backlinks"])
+        return child
+
+    def _any_backlink(self, txn, ino: int) -> int | None:
+        with txn.cursor(db=self.db["backlinks"]) as cur:
+            if cur.set_range(u64(ino)):
+                child, parent, _ = schema.split_backlink_key(cur.key())
+                if child == ino:
+                    return parent
+        return None
+
+    def _is_empty_dir(self, txn, ino: int) -> bool:
+        with txn.cursor(db=self.db["dentries"]) as cur:
+            if cur.set_range(u64(ino)):
+                return schema.split_dentry_key(cur.key())[0] != ino
+        return True
+
+    def _unlinked(self, w: _Write, inode: Inode, busy: bool) -> None:
+        """An inode lost its last link: keep it as an orphan while in use, else purge."""
+        if busy:
+            w.txn.put(u64(inode.ino), b"", db=self.db["orphans"])
+        else:
+            self._purge(w, inode.ino)
+
+    def _purge(self, w: _Write, ino: int) -> None:
+        """Delete an inode and everything hanging off it; its replicas go to the trash."""
+        txn = w.txn
+        for index, rec in self._blocks(txn, ino):
+            self._drop_block(w, ino, index, rec)
+        for dbname in ("xattrs", "inherited"):
+            self._delete_prefix(txn, dbname, u64(ino))
+        for dbname in ("inodes", "symlinks", "leases", "orphans"):
+            txn.delete(u64(ino), db=self.db[dbname])
+
+    def _delete_prefix(self, txn, dbname: str, prefix: bytes) -> None:
+        with txn.cursor(db=self.db[dbname]) as cur:
+            if not cur.set_range(prefix):
+                return
+            while cur.key()[:len(prefix)] == prefix:
+                if not cur.delete():
+                    break
+
+    def _drop_block(self, w: _Write, ino: int, index: int, rec: BlockRecord) -> None:
+        txn = w.txn
+        txn.delete(schema.block_key(ino, index), db=self.db["blocks"])
+        for vol in rec.volumes:
+            txn.delete(schema.replica_key(vol, rec.block_id), db=self.db["replicas"])
+        txn.put(u64(rec.block_id), schema.trash_value(rec.gs, rec.volumes), db=self.db["trash"])
+        w.trash.append((rec.block_id, rec.gs, rec.volumes))
+
+    def _blocks(self, txn, ino: int) -> Iterator[tuple[int, BlockRecord]]:
+        prefix = u64(ino)
+        with txn.cursor(db=self.db["blocks"]) as cur:
+            if not cur.set_range(prefix):
+                return
+            for key, value in cur:
+                if key[:8] != prefix:
+                    break
+                yield schema.split_block_key(key)[1], BlockRecord.unpack(value)
+
+    # --- reads ------------------------------------------------------------------------------
+
+    def get_inode(self, ino: int) -> Inode:
+        with self.env.begin() as txn:
+            return self._inode(txn, ino)
+
+    def lookup(self, parent: int, name: bytes) -> Inode:
+        if len(name) > NAME_MAX:
+            raise FsError(errno.ENAMETOOLONG, f"name longer than {NAME_MAX} bytes")
+        with self.env.begin() as txn:
+            if name == b".":
+                return self._inode(txn, parent)
+            if name == b"..":
+                return self._inode(txn, self._inode(txn, parent).parent)
+            found = self._child(txn, parent, name)
+            if found is None:
+                raise _enoent(f"{name!r} not found in {parent}")
+            return self._inode(txn, found[0])
+
+    def readdir(self, parent: int, after_cookie: int, limit: int) -> list[tuple[DirEntry, Inode]]:
+        """Entries with cookie > after_cookie, in cookie order, with their inodes."""
+        out: list[tuple[DirEntry, Inode]] = []
+        start = schema.cookie_key(parent, after_cookie + 1)
+        with self.env.begin() as txn, txn.cursor(db=self.db["dircookies"]) as cur:
+            if not cur.set_range(start):
+                return out
+            for key, name in cur:
+                dir_ino, cookie = schema.split_cookie_key(key)
+                if dir_ino != parent or len(out) >= limit:
+                    break
+                child = self._child(txn, parent, bytes(name))[0]
+                out.append((DirEntry(cookie, bytes(name), child), self._inode(txn, child)))
+        return out
+
+    def readlink(self, ino: int) -> bytes:
+        with self.env.begin() as txn:
+            target = txn.get(u64(ino), db=self.db["symlinks"])
+        if target is None:
+            raise FsError(errno.EINVAL, f"inode {ino} is not a symlink")
+        return bytes(target)
+
+    def get_xattr(self, ino: int, name: bytes) -> bytes:
+        with self.env.begin() as txn:
+            value = txn.get(schema.xattr_key(ino, name), db=self.db["xattrs"])
+        if value is None:
+            raise FsError(errno.ENODATA, "no such attribute")
+        return bytes(value)
+
+    def list_xattrs(self, ino: int) -> list[bytes]:
+        prefix = u64(ino)
+        names = []
+        with self.env.begin() as txn, txn.cursor(db=self.db["xattrs"]) as cur:
+            if cur.set_range(prefix):
+                for key in cur.iternext(keys=True, values=False):
+                    if key[:8] != prefix:
+                        break
+                    names.append(bytes(key[8:]))
+        return names
+
+    def xattr_bytes(self, ino: int) -> int:
+        prefix = u64(ino)
+        total = 0
+        with self.env.begin() as txn, txn.cursor(db=self.db["xattrs"]) as cur:
+            if cur.set_range(prefix):
+                for key, value in cur:
+                    if key[:8] != prefix:
+                        break
+                    total += len(key) - 8 + len(value)
+        return total
+
+    def get_blocks(self, ino: int) -> dict[int, BlockRecord]:
+        with self.env.begin() as txn:
+            return dict(self._blocks(txn, ino))
+
+    def parent_chain(self, ino: int) -> list[int]:
+        """The inode and its ancestors up to the root (inherited xattrs, rename checks)."""
+        chain = [ino]
+        with self.env.begin() as txn:
+            while chain[-1] != ROOT_INO:
+                chain.append(self._inode(txn, chain[-1]).parent)
+                if len(chain) > 100_000:
+                    raise FsError(errno.EIO, f"parent loop above inode {ino}")
+        return chain
+
+    def inherited_chain(self, ino: int, attr: int) -> tuple[list[int], list[bytes | None]]:
+        """Inodes from ``ino`` up to the root and their raw inherited-xattr ops (O(depth))."""
+        inos, ops = [], []
+        with self.env.begin() as txn:
+            while True:
+                inos.append(ino)
+                raw = txn.get(schema.inherited_key(ino, attr), db=self.db["inherited"])
+                ops.append(None if raw is None else bytes(raw))
+                if ino == ROOT_INO:
+                    return inos, ops
+                ino = self._inode(txn, ino).parent
+                if len(inos) > 100_000:
+                    raise FsError(errno.EIO, f"parent loop above inode {inos[0]}")
+
+    def orphans(self) -> list[int]:
+        with self.env.begin() as txn:
+            return [schema.read_u64(k) for k in
+                    txn.cursor(db=self.db["orphans"]).iternext(values=False)]
+
+    def leases(self) -> dict[int, tuple[bytes, int]]:
+        with self.env.begin() as txn:
+            return {schema.read_u64(k): schema.parse_lease_value(v)
+                    for k, v in txn.cursor(db=self.db["leases"])}
+
+    def trash(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        with self.env.begin() as txn:
+            return [(schema.read_u64(k), *schema.parse_trash_value(v))
+                    for k, v in txn.cursor(db=self.db["trash"])]
+
+    def counts(self) -> dict[str, int]:
+        """Number of inodes and bytes used by the namespace (statfs)."""
+        stats = self.env.stat()
+        info = self.env.info()
+        with self.env.begin() as txn:
+            inodes = txn.stat(self.db["inodes"])["entries"]
+        return {"inodes": inodes, "map_size": info["map_size"],
+                "used": (info["last_pgno"] + 1) * stats["psize"]}
+
+    def get_state(self) -> str:
+        with self.env.begin() as txn:
+            return schema.unpack_meta(txn.get(b"state", db=self.db["meta"]))
+
+    # --- namespace mutations ------------------------------------------------------------------
+
+    def make_node(self, parent: int, name: bytes, mode: int, uid: int, gid: int, rdev: int,
+                  now_ns: int, target: bytes | None = None) -> Inode:
+        """Create a file, directory, symlink, FIFO, socket or device node."""
+        check_name(name)
+
+        def body(w: _Write) -> Inode:
+            txn = w.txn
+            dir_inode = self._dir(txn, parent)
+            if self._child(txn, parent, name) is not None:
+                raise FsError(errno.EEXIST, f"{name!r} exists")
+            ino = self._take(txn, "next_ino")
+            is_dir = stat.S_ISDIR(mode)
+            inode = Inode(ino, mode, uid, gid, 2 if is_dir else 1,
+                          len(target) if target is not None else 0, rdev,
+                          now_ns, now_ns, now_ns, parent)
+            self._add_dentry(txn, dir_inode, name, ino)
+            if is_dir:
+                dir_inode.nlink += 1
+            dir_inode.mtime_ns = dir_inode.ctime_ns = now_ns
+            self._put_inode(txn, dir_inode)
+            self._put_inode(txn, inode)
+            if target is not None:
+                txn.put(u64(ino), target, db=self.db["symlinks"])
+            w.args = (parent, name, ino, mode, uid, gid, rdev, target)
+            return inode
+
+        return self._mutate(Op.MKNOD, (), body)
+
+    def link(self, ino: int, parent: int, name: bytes, now_ns: int) -> Inode:
+        check_name(name)
+
+        def body(w: _Write) -> Inode:
+            txn = w.txn
+            inode = self._inode(txn, ino)
+            if stat.S_ISDIR(inode.mode):
+                raise FsError(errno.EPERM, "hard links to directories are not allowed")
+            if inode.nlink == 0:
+                raise _enoent("the file was removed")
+            dir_inode = self._dir(txn, parent)
+            if self._child(txn, parent, name) is not None:
+                raise FsError(errno.EEXIST, f"{name!r} exists")
+            self._add_dentry(txn, dir_inode, name, ino)
+            dir_inode.mtime_ns = dir_inode.ctime_ns = now_ns
+            inode.nlink += 1
+            inode.ctime_ns = now_ns
+            self._put_inode(txn, dir_inode)
+            self._put_inode(txn, inode)
+            return inode
+
+        return self._mutate(Op.LINK, (ino, parent, name), body)
+
+    def unlink(self, parent: int, name: bytes, now_ns: int, *, directory: bool,
+               busy: Callable[[int], bool]) -> int:
+        """Remove a name (unlink or rmdir); returns the inode it named.
+
+        ``busy(ino)`` tells whether the kernel or an open handle still holds the inode; such
+        an inode becomes an orphan and is purged later, else it is purged now.
+        """
+
+        def body(w: _Write) -> int:
+            txn = w.txn
+            dir_inode = self._dir(txn, parent)
+            found = self._child(txn, parent, name)
+            if found is None:
+                raise _enoent(f"{name!r} not found")
+            child = self._inode(txn, found[0])
+            child_is_dir = stat.S_ISDIR(child.mode)
+            if directory and not child_is_dir:
+                raise FsError(errno.ENOTDIR, f"{name!r} is not a directory")
+            if not directory and child_is_dir:
+                raise FsError(errno.EISDIR, f"{name!r} is a directory")
+            if child_is_dir and not self._is_empty_dir(txn, child.ino):
+                raise FsError(errno.ENOTEMPTY, f"{name!r} is not empty")
+            self._remove_dentry(txn, parent, name)
+            dir_inode.mtime_ns = dir_inode.ctime_ns = now_ns
+            if child_is_dir:
+                dir_inode.nlink -= 1
+            self._put_inode(txn, dir_inode)
+            self._drop_link(w, child, parent, now_ns, busy)
+            return child.ino
+
+        return self._mutate(Op.UNLINK, (parent, name, directory), body)
+
+    def _drop_link(self, w: _Write, child: Inode, parent: int, now_ns: int,
+                   busy: Callable[[int], bool]) -> None:
+        """Account for one removed dentry of ``child`` (already deleted from ``parent``)."""
+        child.nlink = 0 if stat.S_ISDIR(child.mode) else child.nlink - 1
+        child.ctime_ns = now_ns
+        if child.nlink > 0 and child.parent == parent:
+            other = self._any_backlink(w.txn, child.ino)
+            if other is not None:
+                child.parent = other
+        self._put_inode(w.txn, child)
+        if child.nlink == 0:
+            self._unlinked(w, child, busy(child.ino))
+
+    def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
+               flags: int, now_ns: int, *, busy: Callable[[int], bool]) -> int | None:
+        """rename(2) with RENAME_NOREPLACE and RENAME_EXCHANGE; returns a replaced inode."""
+        check_name(new_name)
+        noreplace = bool(flags & RENAME_NOREPLACE)
+        exchange = bool(flags & RENAME_EXCHANGE)
+        if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or (noreplace and exchange):
+            raise FsError(errno.EINVAL, "unsupported rename flags")
+
+        def body(w: _Write) -> int | None:
+            txn = w.txn
+            src_dir = self._dir(txn, old_parent)
+            dst_dir = src_dir if new_parent == old_parent else self._dir(txn, new_parent)
+            found = self._child(txn, old_parent, old_name)
+            if found is None:
+                raise _enoent(f"{old_name!r} not found")
+            src = self._inode(txn, found[0])
+            dst_found = self._child(txn, new_parent, new_name)
+            dst = None if dst_found is None else self._inode(txn, dst_found[0])
+            if stat.S_ISDIR(src.mode):
+                self._check_not_inside(txn, src.ino, new_parent)
+            if exchange:
+                if dst is None:
+                    raise _enoent(f"{new_name!r} not found")
+                if stat.S_ISDIR(dst.mode):
+                    self._check_not_inside(txn, dst.ino, old_parent)
+                self._exchange(txn, src_dir, old_name, src, dst_dir, new_name, dst, now_ns)
+                return None
+            if dst is not None and noreplace:
+                raise FsError(errno.EEXIST, f"{new_name!r} exists")
+            if dst is not None and dst.ino == src.ino:
+                return None  # POSIX: both names link the same file; nothing happens
+            if dst is not None:
+                self._check_replaceable(txn, src, dst, new_name)
+                self._remove_dentry(txn, new_parent, new_name)
+                if stat.S_ISDIR(dst.mode):
+                    dst_dir.nlink -= 1
+            self._remove_dentry(txn, old_parent, old_name)
+            self._add_dentry(txn, dst_dir, new_name, src.ino)
+            if stat.S_ISDIR(src.mode) and dst_dir is not src_dir:
+                src_dir.nlink -= 1
+                dst_dir.nlink += 1
+            src.parent = new_parent
+            src.ctime_ns = now_ns
+            for d in {id(src_dir): src_dir, id(dst_dir): dst_dir}.values():
+                d.mtime_ns = d.ctime_ns = now_ns
+                self._put_inode(txn, d)
+            self._put_inode(txn, src)
+            if dst is not None:
+                self._drop_link(w, dst, new_parent, now_ns, busy)
+                return dst.ino
+            return None
+
+        return self._mutate(Op.RENAME, (old_parent, old_name, new_parent, new_name, flags),
+                            body)
+
+    def _check_not_inside(self, txn, moved_dir: int, target_parent: int) -> None:
+        """A directory cannot move into itself or its own subtree (EINVAL)."""
+        ino = target_parent
+        while True:
+            if ino == moved_dir:
+                raise FsError(errno.EINVAL, "cannot move a directory into its own subtree")
+            if ino == ROOT_INO:
+                return
+            ino = self._inode(txn, ino).parent
+
+    def _check_replaceable(self, txn, src: Inode, dst: Inode, name: bytes) -> None:
+        if stat.S_ISDIR(src.mode):
+            if not stat.S_ISDIR(dst.mode):
+                raise FsError(errno.ENOTDIR, f"{name!r} is not a directory")
+            if not self._is_empty_dir(txn, dst.ino):
+                raise FsError(errno.ENOTEMPTY, f"{name!r} is not empty")
+        elif stat.S_ISDIR(dst.mode):
+            raise FsError(errno.EISDIR, f"{name!r} is a directory")
+
+    def _exchange(self, txn, src_dir: Inode, old_name: bytes, src: Inode,
+                  dst_dir: Inode, new_name: bytes, dst: Inode, now_ns: int) -> None:
+        """RENAME_EXCHANGE: both names stay where they are (same cookies), inodes swap."""
+        old_key = schema.dentry_key(src_dir.ino, old_name)
+        new_key = schema.dentry_key(dst_dir.ino, new_name)
+        _, old_cookie = schema.parse_dentry_value(txn.get(old_key, db=self.db["dentries"]))
+        _, new_cookie = schema.parse_dentry_value(txn.get(new_key, db=self.db["dentries"]))
+        txn.put(old_key, schema.dentry_value(dst.ino, old_cookie), db=self.db["dentries"])
+        txn.put(new_key, schema.dentry_value(src.ino, new_cookie), db=self.db["dentries"])
+        backlinks = self.db["backlinks"]
+        txn.delete(schema.backlink_key(src.ino, src_dir.ino, old_name), db=backlinks)
+        txn.delete(schema.backlink_key(dst.ino, dst_dir.ino, new_name), db=backlinks)
+        txn.put(schema.backlink_key(src.ino, dst_dir.ino, new_name), b"", db=backlinks)
+        txn.put(schema.backlink_key(dst.ino, src_dir.ino, old_name), b"", db=backlinks)
+        if src_dir is not dst_dir:
+            shift = int(stat.S_ISDIR(src.mode)) - int(stat.S_ISDIR(dst.mode))
+            src_dir.nlink -= shift
+            dst_dir.nlink += shift
+        src.parent, dst.parent = dst_dir.ino, src_dir.ino
+        src.ctime_ns = dst.ctime_ns = now_ns
+        for d in {id(src_dir): src_dir, id(dst_dir): dst_dir}.values():
+            d.mtime_ns = d.ctime_ns = now_ns
+            self._put_inode(txn, d)
+        self._put_inode(txn, src)
+        self._put_inode(txn, dst)
+
+    def setattr(self, ino: int, *, mode: int | None = None, uid: int | None = None,
+                gid: int | None = None, atime_ns: int | None = None,
+                mtime_ns: int | None = None, ctime_ns: int) -> Inode:
+        """Change metadata other than the size (the size goes through the block layer)."""
+
+        def body(w: _Write) -> Inode:
+            inode = self._inode(w.txn, ino)
+            if mode is not None:
+                inode.mode = (inode.mode & ~0o7777) | (mode & 0o7777)
+            if uid is not None:
+                inode.uid = uid
+            if gid is not None:
+                inode.gid = gid
+            if atime_ns is not None:
+                inode.atime_ns = atime_ns
+            if mtime_ns is not None:
+                inode.mtime_ns = mtime_ns
+            inode.ctime_ns = ctime_ns
+            self._put_inode(w.txn, inode)
+            return inode
+
+        return self._mutate(Op.SETATTR, (ino, mode, uid, gid, atime_ns, mtime_ns, ctime_ns),
+                            body)
+
+    def set_xattr(self, ino: int, name: bytes, value: bytes, now_ns: int) -> None:
+        def body(w: _Write) -> None:
+            inode = self._inode(w.txn, ino)
+            w.txn.put(schema.xattr_key(ino, name), value, db=self.db["xattrs"])
+            inode.ctime_ns = now_ns
+            self._put_inode(w.txn, inode)
+
+        self._mutate(Op.SETXATTR, (ino, name, value), body)
+
+    def remove_xattr(self, ino: int, name: bytes, now_ns: int) -> None:
+        def body(w: _Write) -> None:
+            inode = self._inode(w.txn, ino)
+            if not w.txn.delete(schema.xattr_key(ino, name), db=self.db["xattrs"]):
+                raise FsError(errno.ENODATA, "no such attribute")
+            inode.ctime_ns = now_ns
+            self._put_inode(w.txn, inode)
+
+        self._mutate(Op.REMOVEXATTR, (ino, name), body)
+
+    def purge(self, ino: int) -> None:
+        """Delete an orphan inode the kernel has forgotten and nobody holds open."""
+
+        def body(w: _Write) -> None:
+            raw = w.txn.get(u64(ino), db=self.db["inodes"])
+            if raw is not None and Inode.unpack(ino, raw).nlink == 0:
+                self._purge(w, ino)
+
+        self._mutate(Op.PURGE, (ino,), body)
+
+    # --- blocks, generation stamps, leases ------------------------------------------------------
+
+    def reserve(self, counter: str) -> int:
+        """Next block id or generation stamp, from a durable batch reserved in one txn."""
+        nxt, end = self._reserved[counter]
+        if nxt >= end:
+            def body(w: _Write) -> int:
+                return self._take(w.txn, counter, ID_BATCH)
+            first = self._mutate(Op.SET_GS, (counter, ID_BATCH), body)
+            if counter == "gs":
+                first += 1  # the counter holds the last stamp handed out
+            nxt, end = first, first + ID_BATCH
+        self._reserved[counter] = [nxt + 1, end]
+        return nxt
+
+    def add_block(self, ino: int, index: int, rec: BlockRecord) -> None:
+        """Record a new block whose replica files already exist and are fsynced."""
+
+        def body(w: _Write) -> None:
+            txn = w.txn
+            self._inode(txn, ino)
+            key = schema.block_key(ino, index)
+            if txn.get(key, db=self.db["blocks"]) is not None:
+                raise FsError(errno.EIO, f"block {index} of inode {ino} already exists")
+            txn.put(key, rec.pack(), db=self.db["blocks"])
+            for vol in rec.volumes:
+                txn.put(schema.replica_key(vol, rec.block_id), key, db=self.db["replicas"])
+
+        self._mutate(Op.ADD_BLOCK, (ino, index, rec.block_id, rec.gs, rec.volumes), body)
+
+    def set_block_gs(self, ino: int, index: int, gs: int) -> None:
+        """Record a block's new generation stamp (its replicas were renamed first)."""
+
+        def body(w: _Write) -> None:
+            key = schema.block_key(ino, index)
+            raw = w.txn.get(key, db=self.db["blocks"])
+            if raw is None:
+                raise _enoent(f"block {index} of inode {ino} is gone")
+            rec = BlockRecord.unpack(raw)
+            rec.gs = gs
+            w.txn.put(key, rec.pack(), db=self.db["blocks"])
+
+        self._mutate(Op.SET_GS, (ino, index, gs), body)
+
+    def persist_file(self, ino: int, *, size: int, mtime_ns: int, ctime_ns: int,
+                     atime_ns: int, blocks: dict[int, BlockRecord],
+                     drop_lease: bool = False) -> None:
+        """Persist an open file's in-memory length, times and block lengths in one txn."""
+
+        def body(w: _Write) -> None:
+            txn = w.txn
+            raw = txn.get(u64(ino), db=self.db["inodes"])
+            if raw is None:
+                return  # purged meanwhile: nothing to persist
+            inode = Inode.unpack(ino, raw)
+            inode.size, inode.mtime_ns, inode.ctime_ns = size, mtime_ns, ctime_ns
+            inode.atime_ns = atime_ns
+            self._put_inode(txn, inode)
+            for index, rec in blocks.items():
+                key = schema.block_key(ino, index)
+                if txn.get(key, db=self.db["blocks"]) is not None:
+                    txn.put(key, rec.pack(), db=self.db["blocks"])
+            if drop_lease:
+                txn.delete(u64(ino), db=self.db["leases"])
+
+        self._mutate(Op.UPDATE_BLOCKS,
+                     (ino, size, {i: (r.gs, r.length) for i, r in blocks.items()}), body)
+
+    def truncate_blocks(self, ino: int, keep_blocks: int, size: int, now_ns: int) -> list:
+        """Drop every block with index >= keep_blocks and set the size; returns the trash."""
+
+        def body(w: _Write) -> None:
+            txn = w.txn
+            inode = self._inode(txn, ino)
+            for index, rec in list(self._blocks(txn, ino)):
+                if index >= keep_blocks:
+                    self._drop_block(w, ino, index, rec)
+            inode.size = size
+            inode.mtime_ns = inode.ctime_ns = now_ns
+            self._put_inode(txn, inode)
+
+        self._mutate(Op.TRUNCATE, (ino, keep_blocks, size), body)
+        return self.last_trash
+
+    def take_lease(self, ino: int, holder: bytes, now_ns: int) -> None:
+        def body(w: _Write) -> None:
+            w.txn.put(u64(ino), schema.lease_value(holder, now_ns), db=self.db["leases"])
+
+        self._mutate(Op.LEASE, (ino, holder, True), body)
+
+    def drop_lease(self, ino: int) -> None:
+        def body(w: _Write) -> None:
+            w.txn.delete(u64(ino), db=self.db["leases"])
+
+        self._mutate(Op.LEASE, (ino, b"", False), body)
+
+    def trash_done(self, block_ids: Iterable[int]) -> None:
+        ids = list(block_ids)
+        if not ids:
+            return
+
+        def body(w: _Write) -> None:
+            for block_id in ids:
+                w.txn.delete(u64(block_id), db=self.db["trash"])
+
+        self._mutate(Op.TRASH_DONE, (ids,), body)
+
+    def set_state(self, state: str, session: bytes | None = None) -> None:
+        """``mounted`` while a daemon serves the filesystem, ``clean`` after unmount."""
+
+        def body(w: _Write) -> None:
+            w.txn.put(b"state", schema.pack_meta(state), db=self.db["meta"])
+
+        self._mutate(Op.MOUNT, (state, session or b""), body)
+        self.sync()
+
+    def run(self, op: int, args: tuple, body: Callable[[_Write], object]):
+        """A custom mutation for recovery and repair code that needs several steps in one txn."""
+        return self._mutate(op, args, body)
+
+
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+
+
+def new_session_id() -> bytes:
+    return uuidlib.uuid4().bytes
+
+
+def now_ns() -> int:
+    return time.time_ns()

@@ -1,0 +1,456 @@
+"""The pyfuse3 request handlers: guards, lookup counts, errno mapping; nothing else.
+
+Handlers delegate to the namespace (metadata) and to ``BlockIO`` (file data). Domain errors
+(``FsError``) become ``FUSEError`` in one place, :func:`handler`. Any other exception is a bug:
+it is logged with its traceback at ERROR and answered with EIO, because an exception escaping
+a pyfuse3 handler would kill the mount.
+
+Kernel caching (DESIGN.md section 10): every change to what the kernel may cache comes
+through this daemon (block moves change no attribute and no byte), so entries, negative
+entries and attributes are cached for ``CACHE_TIMEOUT`` seconds and the page cache is kept
+across opens (``keep_cache``). Background work that changes something visible must call
+``pyfuse3.invalidate_inode``.
+
+Lookup counts (DESIGN.md section 10): incremented on every entry reply (lookup, create,
+mkdir, mknod, symlink, link, and readdirplus entries other than "." and ".."), decremented in
+``forget``. An unlinked inode is purged when its lookup count and open count are both 0.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+import time
+from dataclasses import dataclass
+
+import pyfuse3
+import trio
+
+from tierfs.fs.blockio import BlockIO, OpenFile
+from tierfs.fs.errors import FsError
+from tierfs.fs.namespace import NAME_MAX, Namespace
+from tierfs.fs.schema import ROOT_INO, Inode
+
+log = logging.getLogger(__name__)
+
+CACHE_TIMEOUT = 60.0
+IO_BLKSIZE = 128 * 1024
+XATTR_VALUE_MAX = 65536        # Linux XATTR_SIZE_MAX
+XATTR_LIST_MAX = 65536         # Linux XATTR_LIST_MAX
+XATTR_INODE_MAX = 256 * 1024   # names + values stored per inode; beyond it ENOSPC
+XATTR_NAMESPACES = (b"user.", b"trusted.", b"security.")
+READDIR_BATCH = 256
+
+
+def handler(fn):
+    """Turn domain errors into FUSEError; log bugs loudly and answer EIO."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await fn(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except FsError as exc:
+            if exc.errno == errno.EIO or exc.errno == errno.ENOSPC:
+                log.warning("%s: %s", fn.__name__, exc)
+            raise pyfuse3.FUSEError(exc.errno) from None
+        except Exception:
+            log.exception("BUG in %s handler", fn.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+@dataclass(eq=False)
+class Handle:
+    of: OpenFile
+    writer: bool
+
+
+class Operations(pyfuse3.Operations):
+    """tierfs as seen by the kernel."""
+
+    supports_dot_lookup = True
+    enable_writeback_cache = False
+
+    def __init__(self, ns: Namespace, blockio: BlockIO, statfs_source, resolver):
+        super().__init__()
+        self.ns = ns
+        self.resolver = resolver
+        self.blockio = blockio
+        self.statfs_source = statfs_source
+        self.lookups: dict[int, int] = {ROOT_INO: 1}
+        self.handles: dict[int, Handle] = {}
+        self.dir_handles: dict[int, int] = {}
+        self._next_fh = 1
+
+    # --- helpers ---------------------------------------------------------------------------
+
+    def _fh(self) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        return fh
+
+    def _entry(self, inode: Inode) -> pyfuse3.EntryAttributes:
+        """Attributes for the kernel; an open file's in-memory length and times win."""
+        e = pyfuse3.EntryAttributes()
+        of = self.blockio.files.get(inode.ino)
+        size, atime, mtime, ctime = inode.size, inode.atime_ns, inode.mtime_ns, inode.ctime_ns
+        if of is not None:
+            size, atime, mtime, ctime = of.size, of.atime_ns, of.mtime_ns, of.ctime_ns
+        e.st_ino = inode.ino
+        e.generation = 0
+        e.entry_timeout = CACHE_TIMEOUT
+        e.attr_timeout = CACHE_TIMEOUT
+        e.st_mode = inode.mode
+        e.st_nlink = inode.nlink
+        e.st_uid = inode.uid
+        e.st_gid = inode.gid
+        e.st_rdev = inode.rdev
+        e.st_size = size
+        e.st_blksize = IO_BLKSIZE
+        e.st_blocks = self._allocated(inode, of) // 512
+        e.st_atime_ns = atime
+        e.st_mtime_ns = mtime
+        e.st_ctime_ns = ctime
+        return e
+
+    def _allocated(self, inode: Inode, of: OpenFile | None) -> int:
+        """Bytes held by the file's blocks (holes take no space); 512-byte units rounded up."""
+        if not stat.S_ISREG(inode.mode) or (inode.size == 0 and of is None):
+            return 0
+        blocks = of.blocks if of is not None else self.ns.get_blocks(inode.ino)
+        return sum(-(-rec.length // 4096) * 4096 for rec in blocks.values())
+
+    def _reply_entry(self, inode: Inode) -> pyfuse3.EntryAttributes:
+        self.lookups[inode.ino] = self.lookups.get(inode.ino, 0) + 1
+        return self._entry(inode)
+
+    def _busy(self, ino: int) -> bool:
+        return self.lookups.get(ino, 0) > 0 or ino in self.blockio.files
+
+    def _after_unlink(self) -> None:
+        """Delete the files of replicas the last transaction purged."""
+        if self.ns.last_trash:
+            self.blockio.delete_trash(self.ns.last_trash)
+
+    def _maybe_purge(self, ino: int) -> None:
+        if self._busy(ino) or ino == ROOT_INO:
+            return
+        try:
+            inode = self.ns.get_inode(ino)
+        except FsError:
+            return
+        if inode.nlink == 0:
+            self.ns.purge(ino)
+            self._after_unlink()
+
+    def _new_owner(self, parent: Inode, mode: int, ctx) -> tuple[int, int, int]:
+        """POSIX ownership of a new inode: caller's uid; gid and setgid from the directory."""
+        mode &= ~(ctx.umask & 0o777)
+        gid = ctx.gid
+        if parent.mode & stat.S_ISGID:
+            gid = parent.gid
+            if stat.S_ISDIR(mode):
+                mode |= stat.S_ISGID
+        if (not stat.S_ISDIR(mode) and mode & stat.S_ISGID and ctx.uid != 0
+                and gid != ctx.gid and gid not in _groups(ctx.pid)):
+            mode &= ~stat.S_ISGID
+        return ctx.uid, gid, mode
+
+    def _make(self, parent: int, name: bytes, mode: int, ctx, rdev: int = 0,
+              target: bytes | None = None) -> Inode:
+        parent_inode = self.ns.get_inode(parent)
+        uid, gid, mode = self._new_owner(parent_inode, mode, ctx)
+        return self.ns.make_node(parent, name, mode, uid, gid, rdev, time.time_ns(), target)
+
+    # --- lifecycle -------------------------------------------------------------------------
+
+    def init(self) -> None:
+        log.info("tierfs serving requests")
+
+    @handler
+    async def forget(self, inode_list) -> None:
+        for ino, count in inode_list:
+            left = self.lookups.get(ino, 0) - count
+            if left > 0:
+                self.lookups[ino] = left
+                continue
+            self.lookups.pop(ino, None)
+            self._maybe_purge(ino)
+
+    # --- names -----------------------------------------------------------------------------
+
+    @handler
+    async def lookup(self, parent_inode, name, ctx):
+        try:
+            inode = self.ns.lookup(parent_inode, name)
+        except FsError as exc:
+            if exc.errno != errno.ENOENT:
+                raise
+            negative = pyfuse3.EntryAttributes()
+            negative.st_ino = 0
+            negative.entry_timeout = CACHE_TIMEOUT
+            return negative
+        return self._reply_entry(inode)
+
+    @handler
+    async def getattr(self, inode, ctx):
+        return self._entry(self.ns.get_inode(inode))
+
+    @handler
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        now = time.time_ns()
+        if fields.update_size:
+            await self._truncate(inode, attr.st_size, fh)
+        of = self.blockio.files.get(inode)
+        changes = {}
+        if fields.update_mode:
+            changes["mode"] = attr.st_mode
+        if fields.update_uid:
+            changes["uid"] = attr.st_uid
+        if fields.update_gid:
+            changes["gid"] = attr.st_gid
+        if fields.update_atime:
+            changes["atime_ns"] = attr.st_atime_ns
+        if fields.update_mtime:
+            changes["mtime_ns"] = attr.st_mtime_ns
+        if changes or not fields.update_size:
+            if of is not None:
+                self.blockio.persist(of)
+            updated = self.ns.setattr(inode, ctime_ns=now, **changes)
+            if of is not None:
+                of.atime_ns, of.mtime_ns, of.ctime_ns = (
+                    updated.atime_ns, updated.mtime_ns, updated.ctime_ns)
+        return self._entry(self.ns.get_inode(inode))
+
+    async def _truncate(self, ino: int, size: int, fh) -> None:
+        inode = self.ns.get_inode(ino)
+        if stat.S_ISDIR(inode.mode):
+            raise FsError(errno.EISDIR, "cannot truncate a directory")
+        if not stat.S_ISREG(inode.mode):
+            raise FsError(errno.EINVAL, "can only truncate regular files")
+        of = self.blockio.acquire(ino, writer=True)
+        try:
+            await self.blockio.truncate(of, size)
+        finally:
+            self.blockio.release(of, writer=True)
+
+    @handler
+    async def readlink(self, inode, ctx):
+        return self.ns.readlink(inode)
+
+    @handler
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        return self._reply_entry(self._make(parent_inode, name, mode, ctx, rdev=rdev))
+
+    @handler
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        mode = (mode & 0o7777) | stat.S_IFDIR
+        return self._reply_entry(self._make(parent_inode, name, mode, ctx))
+
+    @handler
+    async def symlink(self, parent_inode, name, target, ctx):
+        inode = self._make(parent_inode, name, stat.S_IFLNK | 0o777, _NoUmask(ctx),
+                           target=target)
+        return self._reply_entry(inode)
+
+    @handler
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        return self._reply_entry(self.ns.link(inode, new_parent_inode, new_name,
+                                              time.time_ns()))
+
+    @handler
+    async def unlink(self, parent_inode, name, ctx):
+        self.ns.unlink(parent_inode, name, time.time_ns(), directory=False, busy=self._busy)
+        self._after_unlink()
+
+    @handler
+    async def rmdir(self, parent_inode, name, ctx):
+        self.ns.unlink(parent_inode, name, time.time_ns(), directory=True, busy=self._busy)
+        self._after_unlink()
+
+    @handler
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        self.ns.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags,
+                       time.time_ns(), busy=self._busy)
+        self._after_unlink()
+
+    # --- files -----------------------------------------------------------------------------
+
+    def _open(self, ino: int, flags: int) -> pyfuse3.FileInfo:
+        writer = (flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
+        of = self.blockio.acquire(ino, writer=writer)
+        fh = self._fh()
+        self.handles[fh] = Handle(of, writer)
+        fi = pyfuse3.FileInfo(fh=fh)
+        if flags & os.O_DIRECT:
+            fi.direct_io = True
+        else:
+            fi.keep_cache = True
+        return fi
+
+    @handler
+    async def open(self, inode, flags, ctx):
+        fi = self._open(inode, flags)
+        if flags & os.O_TRUNC and (flags & os.O_ACCMODE) != os.O_RDONLY:
+            handle = self.handles[fi.fh]
+            if handle.of.size:
+                await self.blockio.truncate(handle.of, 0)
+            fi.keep_cache = False
+        return fi
+
+    @handler
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        inode = self._make(parent_inode, name, (mode & 0o7777) | stat.S_IFREG, ctx)
+        fi = self._open(inode.ino, flags)
+        return fi, self._reply_entry(inode)
+
+    @handler
+    async def read(self, fh, off, size):
+        return self.blockio.read(self.handles[fh].of, off, size)
+
+    @handler
+    async def write(self, fh, off, buf):
+        return self.blockio.write(self.handles[fh].of, off, buf)
+
+    @handler
+    async def flush(self, fh):
+        of = self.handles[fh].of
+        if of.dirty or of.attrs_dirty:
+            self.blockio.persist(of)
+
+    @handler
+    async def release(self, fh):
+        handle = self.handles.pop(fh)
+        self.blockio.release(handle.of, writer=handle.writer)
+        self._maybe_purge(handle.of.ino)
+
+    @handler
+    async def fsync(self, fh, datasync):
+        await self.blockio.fsync(self.handles[fh].of)
+
+    # --- directories -----------------------------------------------------------------------
+
+    @handler
+    async def opendir(self, inode, ctx):
+        if not stat.S_ISDIR(self.ns.get_inode(inode).mode):
+            raise FsError(errno.ENOTDIR, "not a directory")
+        fh = self._fh()
+        self.dir_handles[fh] = inode
+        return fh
+
+    @handler
+    async def readdir(self, fh, start_id, token):
+        """Offsets: 1 is ".", 2 is "..", then each entry's stable cookie."""
+        ino = self.dir_handles[fh]
+        if start_id < 1:
+            if not pyfuse3.readdir_reply(token, b".", self._entry(self.ns.get_inode(ino)), 1):
+                return
+        if start_id < 2:
+            parent = self.ns.get_inode(self.ns.get_inode(ino).parent)
+            if not pyfuse3.readdir_reply(token, b"..", self._entry(parent), 2):
+                return
+        after = max(start_id, 2)
+        while True:
+            batch = self.ns.readdir(ino, after, READDIR_BATCH)
+            for entry, inode in batch:
+                if not pyfuse3.readdir_reply(token, entry.name, self._entry(inode),
+                                             entry.cookie):
+                    return
+                self.lookups[inode.ino] = self.lookups.get(inode.ino, 0) + 1
+                after = entry.cookie
+            if len(batch) < READDIR_BATCH:
+                return
+
+    @handler
+    async def releasedir(self, fh):
+        self.dir_handles.pop(fh, None)
+
+    @handler
+    async def fsyncdir(self, fh, datasync):
+        await trio.to_thread.run_sync(self.ns.sync)
+
+    @handler
+    async def statfs(self, ctx):
+        return self.statfs_source()
+
+    # --- extended attributes -------------------------------------------------------------------
+
+    @staticmethod
+    def _check_xattr_name(name: bytes) -> None:
+        if len(name) > 255:
+            raise FsError(errno.ERANGE, "attribute name too long")
+        if not name.startswith(XATTR_NAMESPACES):
+            raise FsError(errno.EOPNOTSUPP, "unsupported attribute namespace")
+
+    @handler
+    async def getxattr(self, inode, name, ctx):
+        if len(name) > 255:
+            raise FsError(errno.ERANGE, "attribute name too long")
+        if not name.startswith(XATTR_NAMESPACES):
+            raise FsError(errno.ENODATA, "no such attribute")
+        return self.ns.get_xattr(inode, name)
+
+    @handler
+    async def setxattr(self, inode, name, value, ctx):
+        self._check_xattr_name(name)
+        if len(value) > XATTR_VALUE_MAX:
+            raise FsError(errno.E2BIG, "attribute value too large")
+        try:
+            old = len(name) + len(self.ns.get_xattr(inode, name))
+        except FsError:
+            old = 0
+        if self.ns.xattr_bytes(inode) - old + len(name) + len(value) > XATTR_INODE_MAX:
+            raise FsError(errno.ENOSPC, "no room for more extended attributes on this inode")
+        self.ns.set_xattr(inode, name, value, time.time_ns())
+
+    @handler
+    async def listxattr(self, inode, ctx):
+        names = self.ns.list_xattrs(inode)
+        if sum(len(n) + 1 for n in names) > XATTR_LIST_MAX:
+            raise FsError(errno.E2BIG, "attribute list too large")
+        return names
+
+    @handler
+    async def removexattr(self, inode, name, ctx):
+        self._check_xattr_name(name)
+        self.ns.remove_xattr(inode, name, time.time_ns())
+
+
+class _NoUmask:
+    """A request context whose umask is ignored (symlinks are always 0777)."""
+
+    def __init__(self, ctx):
+        self.uid, self.gid, self.pid, self.umask = ctx.uid, ctx.gid, ctx.pid, 0
+
+
+def _groups(pid: int) -> set[int]:
+    try:
+        return pyfuse3.get_sup_groups(pid)
+    except (OSError, ValueError):
+        return set()
+
+
+def make_statfs(volumes, ns: Namespace):
+    """statfs from the volumes: sizes summed over all volumes, f_namemax enforced."""
+
+    def statfs() -> pyfuse3.StatvfsData:
+        st = pyfuse3.StatvfsData()
+        total = sum(v.total_bytes() for v in volumes)
+        free = sum(v.free_bytes() for v in volumes)
+        st.f_bsize = IO_BLKSIZE
+        st.f_frsize = 4096
+        st.f_blocks = total // 4096
+        st.f_bfree = st.f_bavail = free // 4096
+        used_inodes = ns.counts()["inodes"]
+        st.f_files = used_inodes + (1 << 32)
+        st.f_ffree = st.f_favail = 1 << 32
+        st.f_namemax = NAME_MAX
+        return st
+
+    return statfs

@@ -1,0 +1,221 @@
+"""Mount-time recovery: bring a namespace and its volumes back to a clean state.
+
+Runs before the mount serves any request, so nothing else touches the namespace:
+
+1. trash: delete replica files of blocks dropped by committed transactions;
+2. leases left by a dead daemon (seed 002, "Lease recovery"): re-verify the file's blocks and
+   settle each block's length, take a new generation stamp for the last block, close the lease;
+3. orphans: inodes unlinked while open are purged (the kernel has forgotten everything);
+4. after an unclean stop, a scan of every volume removes replica files the namespace does not
+   know (blocks created but never recorded, "pre-historic" blocks) and stale meta files.
+
+What a crash can leave, and what repairs it:
+
+=====================================  ================================================
+crash between ...                      state found, and repair
+=====================================  ================================================
+block files fsynced / block recorded   orphan files: removed by the volume scan (4)
+meta renamed to new GS / GS recorded   replica GS > namespace GS: adopted in (2)
+data pwrite / meta CRC pwrite          a chunk fails its CRC: re-checksummed below the
+                                       persisted length, the length stops there above it
+block dropped / files deleted          trash entry: files deleted in (1)
+unlink while open / last close         orphan inode: purged in (3)
+=====================================  ================================================
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+from tierfs.backends.volume_set import VolumeSet
+from tierfs.fs import schema
+from tierfs.fs.errors import FsError
+from tierfs.fs.namespace import Namespace
+from tierfs.fs.schema import BlockRecord, Inode, Op, u64
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RecoveryReport:
+    trash_deleted: int = 0
+    leases_recovered: int = 0
+    orphans_purged: int = 0
+    orphan_replicas_removed: int = 0
+    stale_meta_removed: int = 0
+    chunks_rechecksummed: int = 0
+    missing_replicas: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return ", ".join(f"{k.replace('_', ' ')}: {v if isinstance(v, int) else len(v)}"
+                         for k, v in vars(self).items())
+
+
+def delete_trash(ns: Namespace, volumes: VolumeSet) -> int:
+    done = []
+    for block_id, _gs, volume_ids in ns.trash():
+        for volume_id in volume_ids:
+            volume = volumes.by_id.get(volume_id)
+            if volume is not None:
+                volume.delete_replica(block_id, None)
+        done.append(block_id)
+    ns.trash_done(done)
+    return len(done)
+
+
+def recover(ns: Namespace, volumes: VolumeSet, *, unclean: bool) -> RecoveryReport:
+    report = RecoveryReport()
+    report.trash_deleted = delete_trash(ns, volumes)
+    for ino in ns.leases():
+        recover_lease(ns, volumes, ino, report)
+        report.leases_recovered += 1
+    for ino in ns.orphans():
+        ns.purge(ino)
+        report.orphans_purged += 1
+    report.trash_deleted += delete_trash(ns, volumes)
+    if unclean:
+        scan_volumes(ns, volumes, report)
+    return report
+
+
+def recover_lease(ns: Namespace, volumes: VolumeSet, ino: int, report: RecoveryReport) -> None:
+    """Settle a file a dead daemon was writing, then close its lease."""
+    try:
+        inode = ns.get_inode(ino)
+    except FsError:
+        ns.drop_lease(ino)
+        return
+    bs = ns.config.block_size
+    blocks = ns.get_blocks(ino)
+    settled: dict[int, BlockRecord] = {}
+    for index, rec in sorted(blocks.items()):
+        settled[index] = settle_block(ns, volumes, ino, index, rec, report)
+    last = max(settled, default=None)
+    if last is not None and settled[last].volumes:
+        gs = ns.reserve("gs")
+        for vid in settled[last].volumes:
+            replica = volumes.get(vid).open_replica(settled[last].block_id, settled[last].gs,
+                                                    writable=True)
+            try:
+                replica.set_gs(gs)
+            finally:
+                replica.close()
+        settled[last].gs = gs
+    size = inode.size
+    if last is not None:
+        size = max(size, last * bs + settled[last].length)
+
+    def body(w) -> None:
+        txn = w.txn
+        current = Inode.unpack(ino, txn.get(u64(ino), db=ns.db["inodes"]))
+        current.size = size
+        txn.put(u64(ino), current.pack(), db=ns.db["inodes"])
+        for index, rec in settled.items():
+            old = blocks[index]
+            for vid in set(old.volumes) - set(rec.volumes):
+                txn.delete(schema.replica_key(vid, rec.block_id), db=ns.db["replicas"])
+            txn.put(schema.block_key(ino, index), rec.pack(), db=ns.db["blocks"])
+        txn.delete(u64(ino), db=ns.db["leases"])
+
+    ns.run(Op.RECOVER, (ino, size), body)
+    log.info("recovered lease of inode %d: size %d", ino, size)
+
+
+def settle_block(ns: Namespace, volumes: VolumeSet, ino: int, index: int, rec: BlockRecord,
+                 report: RecoveryReport) -> BlockRecord:
+    """One block of a leased file: newest replicas kept, data re-verified, length agreed."""
+    bpc = ns.config.bytes_per_checksum
+    good: list[tuple[int, int]] = []  # (volume id, verified length)
+    gs = rec.gs
+    found = {}
+    for vid in rec.volumes:
+        volume = volumes.by_id.get(vid)
+        gss = volume.meta_gss(rec.block_id) if volume is not None else []
+        if not gss or max(gss) < rec.gs:
+            report.missing_replicas.append(f"block {rec.block_id} on volume {vid}")
+            log.error("replica of block %d on volume %d is missing or stale", rec.block_id, vid)
+            continue
+        found[vid] = max(gss)
+    if found:
+        gs = max(found.values())
+    for vid, replica_gs in found.items():
+        volume = volumes.get(vid)
+        for old_gs in volume.meta_gss(rec.block_id):
+            if old_gs < gs:
+                os.unlink(volume.meta_path(rec.block_id, old_gs))
+                report.stale_meta_removed += 1
+        if replica_gs < gs:
+            continue  # an older version than a sibling replica: stale
+        good.append((vid, _settle_replica(volume, rec.block_id, gs, rec.length, bpc, report)))
+    if not good:
+        return BlockRecord(rec.block_id, rec.gs, rec.length, ())
+    length = min(n for _, n in good)
+    for vid, n in good:
+        if n > length:
+            replica = volumes.get(vid).open_replica(rec.block_id, gs, writable=True)
+            try:
+                replica.truncate(length)
+            finally:
+                replica.close()
+    return BlockRecord(rec.block_id, gs, length, tuple(vid for vid, _ in good))
+
+
+def _settle_replica(volume, block_id: int, gs: int, persisted: int, bpc: int,
+                    report: RecoveryReport) -> int:
+    """Length of this replica after recovery.
+
+    Below the persisted length the data was acknowledged to the kernel; a chunk whose CRC
+    does not match was torn by the crash mid-overwrite (unsynced data, which POSIX lets a
+    crash leave old, new or mixed), so its checksum is recomputed from the data. Beyond the
+    persisted length, data counts only while its chunks verify.
+    """
+    replica = volume.open_replica(block_id, gs, writable=True)
+    try:
+        data_len = replica.length
+        fd = os.open(volume.data_path(block_id), os.O_RDONLY)
+        try:
+            offset = 0
+            while offset < data_len:
+                count = min(bpc, data_len - offset)
+                try:
+                    replica.read(offset, count)
+                except FsError:
+                    if offset >= persisted:
+                        break
+                    raw = os.pread(fd, count, offset)
+                    replica.write(offset, raw)
+                    report.chunks_rechecksummed += 1
+                offset += count
+        finally:
+            os.close(fd)
+        if offset < data_len:
+            replica.truncate(offset)
+        replica.fsync()
+        return min(offset, data_len)
+    finally:
+        replica.close()
+
+
+def scan_volumes(ns: Namespace, volumes: VolumeSet, report: RecoveryReport) -> None:
+    """Remove replica files the namespace does not refer to, and stale meta files."""
+    with ns.env.begin() as txn:
+        for volume in volumes:
+            for info in volume.iter_replicas():
+                owner = txn.get(schema.replica_key(volume.id, info.block_id),
+                                db=ns.db["replicas"])
+                rec_raw = None if owner is None else txn.get(owner, db=ns.db["blocks"])
+                if rec_raw is None:
+                    volume.delete_replica(info.block_id, None)
+                    report.orphan_replicas_removed += 1
+                    continue
+                rec = BlockRecord.unpack(rec_raw)
+                if info.gs is not None and info.gs < rec.gs and info.meta_path is not None:
+                    try:
+                        os.unlink(info.meta_path)
+                        report.stale_meta_removed += 1
+                    except FileNotFoundError:
+                        pass
+            report.orphan_replicas_removed += volume.clear_tmp()
+

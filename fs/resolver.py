@@ -1,0 +1,41 @@
+"""Effective inherited values of an inode: storage policy and replication factor.
+
+Reads the chain of TxID-ordered ops from the inode up to the root (one read transaction,
+O(depth)) and resolves it with ``tierfs.fs.inherited``. The filesystem defaults (mkfs
+``--default-policy`` and ``--replication``) apply where nothing is set.
+"""
+
+from __future__ import annotations
+
+from tierfs.fs.inherited import DEFAULT, Op, RenameMode, Resolved, resolve
+from tierfs.fs.namespace import Namespace
+from tierfs.satisfier.policies import BlockStoragePolicy, PolicySuite
+
+ATTR_POLICY = 1
+ATTR_REPLICATION = 2
+
+
+class Resolver:
+    def __init__(self, ns: Namespace):
+        self.ns = ns
+        self.suite = PolicySuite(ns.config.default_policy)
+        self.mode = RenameMode(ns.config.rename_mode)
+
+    def chain(self, ino: int, attr: int) -> tuple[list[int], list[Op | None]]:
+        inos, raw = self.ns.inherited_chain(ino, attr)
+        return inos, [None if r is None else Op.from_bytes(r) for r in raw]
+
+    def resolve(self, ino: int, attr: int) -> tuple[Resolved, list[int]]:
+        inos, ops = self.chain(ino, attr)
+        return resolve(ops, self.mode), inos
+
+    def policy(self, ino: int) -> BlockStoragePolicy:
+        value = self.resolve(ino, ATTR_POLICY)[0].value
+        return self.suite.default if value == DEFAULT else self.suite.get(value)
+
+    def replication(self, ino: int) -> int:
+        value = self.resolve(ino, ATTR_REPLICATION)[0].value
+        return self.ns.config.replication if value == DEFAULT else value
+
+    def placement(self, ino: int) -> tuple[BlockStoragePolicy, int]:
+        return self.policy(ino), self.replication(ino)

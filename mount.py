@@ -1,0 +1,220 @@
+"""``mount.tierfs DATA MNT [-f] [-o OPTS]``: mount a tierfs filesystem. Wiring only.
+
+Order of start-up: (make the default layout if DATA is missing or empty) -> mount lock ->
+namespace -> volumes (identity checked) -> recovery -> state "mounted" -> FUSE mount ->
+serve. Shutdown, after unmount, SIGINT or SIGTERM: persist open files -> purge orphans ->
+state "clean" -> sync -> release the lock.
+
+Without ``-f`` the command forks; the child does all of the above and reports "ready" or a
+one-line error through a pipe, so the parent's exit code tells whether the mount worked.
+
+Exit codes: 0 mounted (or unmounted cleanly with -f), 1 cannot mount, 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+import pyfuse3
+import trio
+
+from tierfs.backends.volume_set import VolumeSet
+from tierfs.fs.blockio import BlockIO
+from tierfs.fs.errors import FsError, UsageError
+from tierfs.fs.mountlock import MountLock
+from tierfs.fs.namespace import Namespace, new_session_id
+from tierfs.fs.operations import Operations, make_statfs
+from tierfs.fs.placement import Placer
+from tierfs.fs.recovery import delete_trash, recover
+from tierfs.fs.resolver import Resolver
+from tierfs.tools import mkfs
+
+log = logging.getLogger("tierfs.mount")
+
+TICK_SECONDS = 1.0
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s: %(message)s"
+
+
+class MountError(Exception):
+    """A reason the mount cannot happen: printed as one line, exit code 1."""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="mount.tierfs",
+                                     description="Mount a tierfs filesystem.")
+    parser.add_argument("data", metavar="DATA", help="data directory (created if missing)")
+    parser.add_argument("mountpoint", metavar="MNT")
+    parser.add_argument("-f", "--foreground", action="store_true",
+                        help="stay in the foreground (default: background)")
+    parser.add_argument("-o", dest="options", action="append", default=[],
+                        metavar="OPTS", help="comma-separated mount options, e.g. allow_other")
+    parser.add_argument("--debug", action="store_true", help="log debug messages")
+    parser.add_argument("--log", metavar="FILE",
+                        help="log file (default: stderr with -f, else DATA/tierfs.log)")
+    return parser.parse_args(argv)
+
+
+def fuse_options(data: Path, user_options: list[str]) -> set[str]:
+    options = set(pyfuse3.default_options) | {f"fsname={data}", "subtype=tierfs"}
+    for group in user_options:
+        options.update(o for o in group.split(",") if o)
+    options.discard("rw")
+    options.discard("defaults")
+    return options
+
+
+def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:
+    """Everything up to (not including) the FUSE mount; raises MountError."""
+    data = Path(os.path.abspath(args.data))
+    mnt = Path(os.path.abspath(args.mountpoint))
+    if not mnt.is_dir():
+        raise MountError(f"mount point {mnt} does not exist or is not a directory")
+    if not mkfs.is_filesystem(data):
+        if data.exists() and any(p.name != "tierfs.log" for p in data.iterdir()):
+            raise MountError(f"{data} is neither empty nor a tierfs filesystem")
+        config = mkfs.make_filesystem(data)
+        log.info("created filesystem %s in %s (default layout)", config.fs_uuid, data)
+    stack = ExitStack()
+    try:
+        lock = MountLock(data)
+        lock.acquire(mnt)
+        stack.callback(lock.release)
+        ns = Namespace.open(data / mkfs.NAMESPACE_DIR)
+        stack.callback(ns.close)
+        volumes = VolumeSet.open(data, ns.config.fs_uuid, ns.config.volumes)
+        unclean = ns.get_state() == "mounted"
+        report = recover(ns, volumes, unclean=unclean)
+        if unclean:
+            log.warning("previous daemon did not stop cleanly; recovered: %s",
+                        report.summary())
+        ns.set_state("mounted")
+        resolver = Resolver(ns)
+        blockio = BlockIO(ns, volumes, Placer(volumes, resolver.placement), new_session_id())
+        ops = Operations(ns, blockio, make_statfs(volumes, ns), resolver)
+    except BaseException:
+        stack.close()
+        raise
+    return stack, ops, blockio, ns
+
+
+def shutdown(ops: Operations, blockio: BlockIO, ns: Namespace) -> None:
+    """After unmount the kernel has forgotten every inode: purge orphans, mark clean."""
+    blockio.persist_all()
+    for of in list(blockio.files.values()):
+        blockio._close_replicas(of)
+    blockio.files.clear()
+    for ino in ns.orphans():
+        ns.purge(ino)
+        blockio.delete_trash(ns.last_trash)
+    delete_trash(ns, blockio.volumes)
+    ns.set_state("clean")
+
+
+async def serve(blockio: BlockIO, ns: Namespace) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_tick, blockio, ns)
+        nursery.start_soon(_signals)
+        await pyfuse3.main()
+        nursery.cancel_scope.cancel()
+
+
+async def _tick(blockio: BlockIO, ns: Namespace) -> None:
+    """Metadata reaches disk within about a second (DESIGN.md section 3)."""
+    while True:
+        await trio.sleep(TICK_SECONDS)
+        blockio.persist_all()
+        await trio.to_thread.run_sync(ns.sync)
+
+
+async def _signals() -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.info("signal %d: unmounting", signum)
+            pyfuse3.terminate()
+
+
+def run(args, ready_fd: int | None) -> int:
+    """Mount and serve until unmounted. ``ready_fd`` receives 'ok' or an error line."""
+    def fail(message: str) -> int:
+        if ready_fd is not None:
+            os.write(ready_fd, f"error: {message}\n".encode())
+            os.close(ready_fd)
+        else:
+            print(f"mount.tierfs: {message}", file=sys.stderr)
+        return 1
+
+    try:
+        stack, ops, blockio, ns = prepare(args)
+    except (MountError, FsError, UsageError) as exc:
+        return fail(str(exc))
+    with stack:
+        try:
+            pyfuse3.init(ops, os.path.abspath(args.mountpoint),
+                         fuse_options(Path(os.path.abspath(args.data)), args.options))
+        except RuntimeError as exc:
+            ns.set_state("clean")
+            return fail(f"FUSE mount of {args.mountpoint} failed: {exc}")
+        if ready_fd is not None:
+            os.write(ready_fd, b"ok\n")
+            os.close(ready_fd)
+        log.info("mounted %s on %s", args.data, args.mountpoint)
+        try:
+            trio.run(serve, blockio, ns)
+        finally:
+            pyfuse3.close(unmount=True)
+            shutdown(ops, blockio, ns)
+            log.info("unmounted %s", args.mountpoint)
+    return 0
+
+
+def daemonize(args) -> int:
+    """Fork; the parent waits for the child's verdict and exits with it."""
+    read_fd, write_fd = os.pipe()
+    if os.fork() > 0:
+        os.close(write_fd)
+        with os.fdopen(read_fd) as pipe:
+            verdict = pipe.read().strip()
+        if verdict == "ok":
+            return 0
+        print(f"mount.tierfs: {verdict.removeprefix('error: ') or 'daemon died'}",
+              file=sys.stderr)
+        return 1
+    os.close(read_fd)
+    os.setsid()
+    if os.fork() > 0:
+        os._exit(0)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1):
+        os.dup2(devnull, fd)
+    log_path = args.log or os.path.join(os.path.abspath(args.data), "tierfs.log")
+    try:
+        os.makedirs(os.path.dirname(log_path), exist_ok=True)
+        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    except OSError as exc:
+        os.write(write_fd, f"error: cannot open log {log_path}: {exc.strerror}\n".encode())
+        os._exit(1)
+    os.dup2(log_fd, 2)
+    os.chdir("/")
+    os._exit(run(args, write_fd))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.data = os.path.abspath(args.data)
+    args.mountpoint = os.path.abspath(args.mountpoint)
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
+                        format=LOG_FORMAT,
+                        filename=args.log if args.foreground and args.log else None)
+    if args.foreground:
+        return run(args, None)
+    return daemonize(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""``tierfs``: one command, with a subcommand per tool.
+
+Every user mistake ends in one line on stderr and a documented exit code, never a
+traceback. Exit codes (README, "Exit codes"):
+
+==========  =====================================================================
+subcommand  codes
+==========  =====================================================================
+mkfs        0 created, 1 failed (e.g. DATA already holds a filesystem), 2 usage
+umount      0 unmounted, 1 failed (not a tierfs mount, busy), 2 usage
+fsck        0 healthy, 1 corrupt (or repaired problems), 2 usage or cannot run
+==========  =====================================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from tierfs.fs.errors import FsError, UsageError, VolumeError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting, so each tool keeps its own usage code."""
+
+    usage_code = 2
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: {message}", self.usage_code)
+
+
+def _mkfs(args) -> int:
+    from tierfs.tools import mkfs
+
+    volumes = [mkfs.VolumeSpec.parse(v) for v in args.volume] or None
+    try:
+        config = mkfs.make_filesystem(
+            Path(args.data), volumes, block_size=mkfs.parse_size(args.block_size),
+            bytes_per_checksum=mkfs.parse_size(args.bytes_per_checksum),
+            replication=args.replication, default_policy=args.default_policy,
+            rename_mode=args.policy_on_rename)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    print(f"tierfs filesystem {config.fs_uuid} created in {Path(args.data).resolve()}")
+    for v in config.volumes:
+        cap = f", capacity {v.capacity}" if v.capacity else ""
+        print(f"  volume {v.id}: {v.storage_type:<8} {v.path}{cap}")
+    print(f"  block size {config.block_size}, bytes per checksum "
+          f"{config.bytes_per_checksum}, replication {config.replication}, default policy "
+          f"{config.default_policy}, policy on rename: {config.rename_mode}")
+    return 0
+
+
+def _umount(args) -> int:
+    from tierfs.tools.umount import unmount
+
+    unmount(Path(args.mountpoint), timeout=args.timeout)
+    return 0
+
+
+def _fsck(args) -> int:
+    from tierfs.tools.fsck import run_fsck
+
+    return run_fsck(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tierfs", description="tierfs tools")
+    parser.add_argument("--debug", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    p = sub.add_parser("mkfs", help="create a filesystem in a data directory")
+    p.add_argument("data", metavar="DATA")
+    p.add_argument("--volume", action="append", default=[], metavar="TYPE:PATH[:CAPACITY]",
+                   help="a volume (repeatable); default: DATA/ssd, DATA/disk, DATA/archive")
+    p.add_argument("--block-size", default="64M")
+    p.add_argument("--bytes-per-checksum", default="4096")
+    p.add_argument("--replication", type=int, default=1)
+    p.add_argument("--default-policy", default="HOT")
+    p.add_argument("--policy-on-rename", choices=["follow", "keep"], default="follow",
+                   help="follow: a renamed subtree takes the destination's policy "
+                        "(default); keep: it keeps its own")
+    p.set_defaults(func=_mkfs)
+
+    p = sub.add_parser("umount", help="unmount a tierfs mount and wait for the daemon")
+    p.add_argument("mountpoint", metavar="MNT")
+    p.add_argument("--timeout", type=float, default=120.0)
+    p.set_defaults(func=_umount)
+
+    p = sub.add_parser("fsck", help="check a filesystem against its volumes")
+    p.add_argument("data", metavar="DATA")
+    p.add_argument("path", nargs="?", default="/", metavar="PATH")
+    p.add_argument("--repair", action="store_true", help="fix what can be fixed")
+    p.add_argument("--files", action="store_true", help="list checked files")
+    p.add_argument("--blocks", action="store_true", help="with --files: list blocks")
+    p.add_argument("--locations", action="store_true", help="with --blocks: replicas")
+    p.set_defaults(func=_fsck)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as exc:
+        print(exc, file=sys.stderr)
+        return exc.exit_code
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
+                        format="tierfs: %(levelname)s: %(message)s")
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        print(f"tierfs {args.command}: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except (FsError, VolumeError) as exc:
+        print(f"tierfs {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"tierfs {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

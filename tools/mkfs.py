@@ -1,0 +1,130 @@
+"""``tierfs mkfs``: create a filesystem (volumes + namespace) in a data directory.
+
+The embedded default layout, used when no ``--volume`` is given and by ``mount.tierfs`` on
+an empty data directory: ``DATA/ssd`` (SSD), ``DATA/disk`` (DISK), ``DATA/archive``
+(ARCHIVE), namespace in ``DATA/namespace``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import time
+import uuid as uuidlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from tierfs.backends.storage_types import StorageType
+from tierfs.backends.volume import Volume
+from tierfs.fs.errors import FsError, UsageError
+from tierfs.fs.inherited import RenameMode
+from tierfs.fs.namespace import FsConfig, Namespace, VolumeConfig
+from tierfs.satisfier.policies import PolicySuite
+
+NAMESPACE_DIR = "namespace"
+# Chosen by measurement (README, "Block size and checksum chunk"): 64 MiB blocks keep a
+# 1 GiB file at 16 namespace records while a block move stays well under a second; 4 KiB
+# checksum chunks make a 4 KiB random read verify exactly one chunk.
+DEFAULT_BLOCK_SIZE = 64 << 20
+DEFAULT_BYTES_PER_CHECKSUM = 4096
+DEFAULT_LAYOUT = (("ssd", StorageType.SSD), ("disk", StorageType.DISK),
+                  ("archive", StorageType.ARCHIVE))
+
+_SIZE = re.compile(r"^(\d+)([KMGTP]?)(I?B)?$", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
+
+
+def parse_size(text: str) -> int:
+    """'10G', '512M', '4096', '1GiB' -> bytes (binary units)."""
+    match = _SIZE.match(text.strip())
+    if not match:
+        raise UsageError(f"invalid size '{text}' (expected e.g. 4096, 512K, 64M, 10G)")
+    return int(match.group(1)) * _UNITS[match.group(2).upper()]
+
+
+@dataclass
+class VolumeSpec:
+    storage_type: StorageType
+    path: Path
+    capacity: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "VolumeSpec":
+        """TYPE:PATH[:CAPACITY], e.g. SSD:/mnt/nvme0/tier:100G."""
+        parts = text.split(":")
+        if len(parts) not in (2, 3) or not parts[1]:
+            raise UsageError(f"invalid volume '{text}' (expected TYPE:PATH[:CAPACITY])")
+        try:
+            storage_type = StorageType.parse(parts[0])
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        capacity = parse_size(parts[2]) if len(parts) == 3 else None
+        return cls(storage_type, Path(parts[1]), capacity)
+
+
+def default_volumes(data_dir: Path) -> list[VolumeSpec]:
+    return [VolumeSpec(t, data_dir / name) for name, t in DEFAULT_LAYOUT]
+
+
+def is_filesystem(data_dir: Path) -> bool:
+    return (data_dir / NAMESPACE_DIR / "data.mdb").exists()
+
+
+def make_filesystem(data_dir: Path, volumes: list[VolumeSpec] | None = None, *,
+                    block_size: int = DEFAULT_BLOCK_SIZE,
+                    bytes_per_checksum: int = DEFAULT_BYTES_PER_CHECKSUM,
+                    replication: int = 1, default_policy: str = "HOT",
+                    rename_mode: str = RenameMode.FOLLOW.value) -> FsConfig:
+    """Format the volumes, then write the namespace (last, so a half-made filesystem is
+    never mistaken for a whole one)."""
+    data_dir = Path(os.path.abspath(data_dir))
+    volumes = volumes or default_volumes(data_dir)
+    _validate(data_dir, volumes, block_size, bytes_per_checksum, replication, rename_mode)
+    policy = PolicySuite().get(default_policy)  # ValueError for an unknown name
+    data_dir.mkdir(parents=True, exist_ok=True)
+    fs_uuid = str(uuidlib.uuid4())
+    configs = []
+    for volume_id, spec in enumerate(volumes, start=1):
+        vol = Volume.format(spec.path, fs_uuid=fs_uuid, volume_id=volume_id,
+                            storage_type=spec.storage_type, capacity=spec.capacity)
+        configs.append(VolumeConfig(volume_id, vol.uuid, spec.storage_type.name,
+                                    _recorded_path(data_dir, vol.path), spec.capacity))
+    config = FsConfig(fs_uuid=fs_uuid, block_size=block_size,
+                      bytes_per_checksum=bytes_per_checksum, replication=replication,
+                      default_policy=policy.name, rename_mode=rename_mode, volumes=configs)
+    ns = Namespace.create(data_dir / NAMESPACE_DIR, config, uid=os.getuid(), gid=os.getgid(),
+                          now_ns=time.time_ns())
+    ns.close()
+    return config
+
+
+def _recorded_path(data_dir: Path, path: Path) -> str:
+    """Inside DATA a volume is recorded relative to it, so DATA can be moved whole."""
+    try:
+        return str(Path(path).relative_to(data_dir))
+    except ValueError:
+        return str(path)
+
+
+def _validate(data_dir: Path, volumes: list[VolumeSpec], block_size: int, bpc: int,
+              replication: int, rename_mode: str) -> None:
+    if is_filesystem(data_dir):
+        raise FsError(errno.EEXIST, f"{data_dir} already holds a tierfs filesystem")
+    if not 512 <= bpc <= 1 << 20:
+        raise UsageError("--bytes-per-checksum must be between 512 and 1M")
+    if block_size < bpc or block_size % bpc:
+        raise UsageError("--block-size must be a multiple of --bytes-per-checksum")
+    if block_size > 1 << 30:
+        raise UsageError("--block-size must be at most 1G")
+    if not 1 <= replication <= len(volumes):
+        raise UsageError(f"--replication must be between 1 and the number of volumes "
+                         f"({len(volumes)})")
+    if rename_mode not in {m.value for m in RenameMode}:
+        raise UsageError("--policy-on-rename must be 'follow' or 'keep'")
+    paths = [os.path.abspath(v.path) for v in volumes]
+    if len(set(paths)) != len(paths):
+        raise UsageError("two volumes share a directory")
+    for spec in volumes:
+        if spec.capacity is not None and spec.capacity <= 0:
+            raise UsageError(f"volume {spec.path}: capacity must be positive")
