@@ -1,0 +1,154 @@
+"""Shared fixtures: real filesystems made with the installed tools, real mounts.
+
+Layers (test file numbers): 1x pure units and backends, 2x namespace, 3x Operations driven
+directly, 4x-6x real mounts, 7x crash and fault tests, 9x tools and benchmarks. Real-mount
+tests run the installed console scripts (``tierfs``, ``mount.tierfs``) in subprocesses and
+end with ``tierfs fsck`` reporting nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+TIERFS = str(BIN / "tierfs")
+MOUNT_TIERFS = str(BIN / "mount.tierfs")
+
+
+def run_tool(*args: str, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
+    """Run ``tierfs ARGS``; with check, a non-zero exit fails the test with its output."""
+    result = subprocess.run([TIERFS, *args], capture_output=True, text=True, **kwargs)
+    if check and result.returncode != 0:
+        pytest.fail(f"tierfs {' '.join(args)} exited {result.returncode}:\n"
+                    f"{result.stdout}\n{result.stderr}")
+    return result
+
+
+def is_mounted(mountpoint: Path) -> bool:
+    return os.path.ismount(mountpoint)
+
+
+class Mount:
+    """A tierfs mounted in the foreground by a ``mount.tierfs -f`` child process."""
+
+    def __init__(self, data: Path, mountpoint: Path, options: str = "allow_other"):
+        self.data = data
+        self.mountpoint = mountpoint
+        self.options = options
+        self.proc: subprocess.Popen | None = None
+        self.log = data.parent / f"{data.name}.mount.log"
+
+    def start(self, timeout: float = 30.0) -> "Mount":
+        self.mountpoint.mkdir(parents=True, exist_ok=True)
+        cmd = [MOUNT_TIERFS, str(self.data), str(self.mountpoint), "-f"]
+        if self.options:
+            cmd += ["-o", self.options]
+        logf = open(self.log, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
+        logf.close()
+        deadline = time.monotonic() + timeout
+        while not is_mounted(self.mountpoint):
+            if self.proc.poll() is not None:
+                pytest.fail(f"mount.tierfs exited {self.proc.returncode}:\n{self.log_text()}")
+            if time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"mount did not appear within {timeout} s:\n{self.log_text()}")
+            time.sleep(0.02)
+        return self
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Unmount cleanly and check the daemon exits with 0."""
+        if self.proc is None:
+            return
+        subprocess.run(["fusermount3", "-u", str(self.mountpoint)], capture_output=True)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"daemon did not exit after unmount:\n{self.log_text()}")
+        self.proc = None
+        assert rc == 0, f"daemon exited {rc}:\n{self.log_text()}"
+
+    def kill(self) -> None:
+        """kill -9 the daemon and clear the dead mount, as an admin would."""
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+        self.proc = None
+        subprocess.run(["fusermount3", "-u", "-z", str(self.mountpoint)], capture_output=True)
+        deadline = time.monotonic() + 10
+        while is_mounted(self.mountpoint) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def errors_logged(self) -> list[str]:
+        """ERROR lines and tracebacks the daemon logged: a bug unless a test expects them."""
+        return [line for line in self.log_text().splitlines()
+                if " ERROR" in line or "Traceback" in line]
+
+
+def assert_fsck_clean(data: Path) -> None:
+    result = run_tool("fsck", str(data), check=False)
+    assert result.returncode == 0, f"fsck found problems:\n{result.stdout}\n{result.stderr}"
+
+
+@pytest.fixture
+def data_dir(tmp_path) -> Path:
+    """A fresh filesystem with the default layout, made by ``tierfs mkfs``."""
+    data = tmp_path / "data"
+    run_tool("mkfs", str(data))
+    return data
+
+
+@pytest.fixture
+def mounted(tmp_path, data_dir):
+    """A mounted default filesystem; at the end: clean unmount, no logged errors, fsck clean."""
+    mount = Mount(data_dir, tmp_path / "mnt").start()
+    yield mount
+    if mount.proc is not None:
+        mount.stop()
+    assert not mount.errors_logged(), "daemon logged errors:\n" + "\n".join(
+        mount.errors_logged())
+    assert_fsck_clean(data_dir)
+
+
+@pytest.fixture
+def make_mount(tmp_path):
+    """Factory for mounts of custom filesystems: make_mount(*mkfs_args) -> started Mount."""
+    mounts: list[Mount] = []
+
+    def factory(*mkfs_args: str, name: str = "data", options: str = "allow_other") -> Mount:
+        data = tmp_path / name
+        run_tool("mkfs", str(data), *mkfs_args)
+        mount = Mount(data, tmp_path / f"{name}-mnt", options).start()
+        mounts.append(mount)
+        return mount
+
+    yield factory
+    for mount in mounts:
+        if mount.proc is not None:
+            mount.stop()
+        assert_fsck_clean(mount.data)
+
+
+def require_tool(name: str) -> str:
+    """Path of a system tool the suite installs (.ci/run); missing means a broken setup."""
+    path = shutil.which(name)
+    assert path, f"{name} is not installed: run the README's test command, which installs it"
+    return path
