@@ -1,0 +1,803 @@
+"""Layer 10: the storage backend (storage types, meta files, volumes, replicas).
+
+Everything runs on real files under a temporary directory, no mocks. The meta file is always
+checked independently of ``backends/meta.py``, with ``struct`` and ``crc32c`` directly, so a
+bug shared by the writer and the reader cannot hide.
+
+The volume tests take a ``volume`` fixture and use only the public interface: they are the
+contract any volume implementation (a fault-injecting one, say) must pass.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import struct
+import tempfile
+from pathlib import Path
+
+import crc32c
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from tierfs.backends import meta
+from tierfs.backends.replica import Replica
+from tierfs.backends.storage_types import StorageType
+from tierfs.backends.volume import IDENTITY_FILE, ReplicaInfo, Volume
+from tierfs.fs.errors import ChecksumError, FsError, VolumeError
+
+FS_UUID = "6f1c9a57-0000-4000-8000-000000000001"
+BLOCK = 1 << 30  # first block id after HDFS's reserved range
+GS = 1001  # first generation stamp after HDFS's reserved range
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def independent_meta(path: Path) -> tuple[tuple[int, int, int], list[int]]:
+    """Header fields and CRCs of a meta file, parsed without tierfs code."""
+    raw = path.read_bytes()
+    assert len(raw) >= 7 and (len(raw) - 7) % 4 == 0, f"meta file size {len(raw)}"
+    header = struct.unpack(">hbi", raw[:7])
+    crcs = [struct.unpack(">I", raw[i : i + 4])[0] for i in range(7, len(raw), 4)]
+    return header, crcs
+
+
+def expected_crcs(data: bytes, bpc: int) -> list[int]:
+    return [crc32c.crc32c(data[i : i + bpc]) for i in range(0, len(data), bpc)]
+
+
+def assert_replica_files(volume: Volume, block_id: int, gs: int, bpc: int, model: bytes) -> None:
+    """The data file holds ``model`` and the meta file holds exactly its chunk CRCs."""
+    assert volume.data_path(block_id).read_bytes() == model
+    header, crcs = independent_meta(volume.meta_path(block_id, gs))
+    assert header == (1, 2, bpc)
+    assert crcs == expected_crcs(model, bpc)
+
+
+def files_size(volume: Volume) -> int:
+    """Bytes in every blk_ file under the volume, counted from the files themselves."""
+    total = 0
+    for root, _, names in os.walk(volume.path / "current"):
+        total += sum(os.path.getsize(os.path.join(root, n)) for n in names if n.startswith("blk_"))
+    return total
+
+
+def make_volume(path, storage_type=StorageType.SSD, capacity=None, volume_id=1) -> Volume:
+    return Volume.format(path, fs_uuid=FS_UUID, volume_id=volume_id, storage_type=storage_type, capacity=capacity)
+
+
+def reopen(volume: Volume, **changes) -> Volume:
+    args = dict(
+        fs_uuid=volume.fs_uuid,
+        volume_uuid=volume.uuid,
+        volume_id=volume.id,
+        storage_type=volume.storage_type,
+        capacity=volume.capacity,
+    )
+    args.update(changes)
+    return Volume.open(volume.path, **args)
+
+
+@pytest.fixture
+def volume(tmp_path) -> Volume:
+    return make_volume(tmp_path / "ssd0")
+
+
+@pytest.fixture
+def replica(volume):
+    r = volume.create_replica(BLOCK, GS, 16)
+    yield r
+    r.close()
+
+
+# ---------------------------------------------------------------------- storage types
+
+
+def test_storage_types_are_ordered_fastest_first():
+    assert [t.name for t in sorted(StorageType)] == ["RAM_DISK", "NVDIMM", "SSD", "DISK", "ARCHIVE", "PROVIDED"]
+    assert [int(t) for t in StorageType] == list(range(6))
+
+
+def test_storage_type_properties():
+    assert [t for t in StorageType if t.transient] == [StorageType.RAM_DISK]
+    assert [t for t in StorageType if t.is_ram] == [StorageType.RAM_DISK, StorageType.NVDIMM]
+    assert [t for t in StorageType if not t.movable] == [StorageType.RAM_DISK]
+
+
+@pytest.mark.parametrize("text", ["ssd", "SSD", "Ssd", " ssd\n"])
+def test_storage_type_parse_ignores_case(text):
+    assert StorageType.parse(text) is StorageType.SSD
+
+
+def test_storage_type_parse_names_the_choices():
+    with pytest.raises(ValueError) as e:
+        StorageType.parse("flash")
+    assert str(e.value) == (
+        "unknown storage type 'flash' (expected one of RAM_DISK, NVDIMM, SSD, DISK, ARCHIVE, PROVIDED)"
+    )
+
+
+def test_storage_type_prints_its_name():
+    assert str(StorageType.ARCHIVE) == "ARCHIVE"
+    assert f"{StorageType.DISK}" == "DISK"
+
+
+# ---------------------------------------------------------------------- meta format
+
+
+def test_header_bytes_are_hdfs_exact():
+    assert meta.header_bytes(512) == b"\x00\x01\x02\x00\x00\x02\x00"
+    assert meta.header_bytes(4096) == b"\x00\x01\x02\x00\x00\x10\x00"
+    assert (meta.VERSION, meta.CRC32C, meta.HEADER_SIZE) == (1, 2, 7)
+
+
+def test_parse_header_round_trips():
+    assert meta.parse_header(meta.header_bytes(65536)) == (1, 2, 65536)
+    assert meta.parse_header(meta.header_bytes(7) + b"\x00\x00\x00\x01") == (1, 2, 7)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"",
+        b"\x00\x01\x02\x00\x00\x10",  # short
+        b"\x00\x02\x02\x00\x00\x10\x00",  # version 2
+        b"\x00\x01\x01\x00\x00\x10\x00",  # CRC32, not CRC32C
+        b"\x00\x01\x00\x00\x00\x10\x00",  # NULL checksum
+        b"\x00\x01\x02\x00\x00\x00\x00",  # zero bytes per checksum
+        b"\x00\x01\x02\xff\xff\xff\xff",  # negative bytes per checksum
+    ],
+)
+def test_parse_header_refuses_malformed(raw):
+    with pytest.raises(ChecksumError) as e:
+        meta.parse_header(raw)
+    assert e.value.errno == errno.EIO
+
+
+def test_header_bytes_refuses_bad_chunk_size():
+    for bpc in (0, -1, 2**31):
+        with pytest.raises(ValueError):
+            meta.header_bytes(bpc)
+
+
+def test_meta_size():
+    assert meta.meta_size(0, 512) == 7
+    assert meta.meta_size(1, 512) == 11
+    assert meta.meta_size(512, 512) == 11
+    assert meta.meta_size(513, 512) == 15
+    assert meta.meta_size(128 << 20, 512) == 1_048_583  # the reference's example
+
+
+@pytest.mark.parametrize("length", [0, 1, 15, 16, 17, 100])
+def test_chunk_crcs_match_independent_computation(length):
+    data = os.urandom(length)
+    expect = b"".join(struct.pack(">I", c) for c in expected_crcs(data, 16))
+    assert meta.chunk_crcs(data, 16) == expect
+    assert meta.chunk_crcs(memoryview(data), 16) == expect
+    assert meta.chunk_crcs(bytearray(data), 16) == expect
+
+
+def test_chunk_crc_list_continues_a_partial_chunk():
+    data = os.urandom(50)
+    head = crc32c.crc32c(data[:5])
+    assert meta.chunk_crc_list(data[5:], 16, skip=5, value=head) == expected_crcs(data, 16)
+
+
+# ---------------------------------------------------------------------- format and open
+
+
+def test_format_writes_identity_and_layout(tmp_path):
+    v = make_volume(tmp_path / "a" / "ssd0", StorageType.SSD, volume_id=7)
+    identity = json.loads((tmp_path / "a" / "ssd0" / IDENTITY_FILE).read_text())
+    assert identity == {
+        "layout_version": 1,
+        "fs_uuid": FS_UUID,
+        "volume_uuid": v.uuid,
+        "volume_id": 7,
+        "storage_type": "SSD",
+    }
+    assert (v.path / "current" / "finalized").is_dir()
+    assert v.tmp_dir == v.path / "tmp" and v.tmp_dir.is_dir()
+    assert sorted(os.listdir(v.path)) == ["VERSION", "current", "tmp"]
+    assert (v.id, v.storage_type, v.capacity) == (7, StorageType.SSD, None)
+    assert v.used_bytes() == 0
+
+
+def test_format_uses_an_existing_empty_directory(tmp_path):
+    make_volume(tmp_path)
+    assert (tmp_path / IDENTITY_FILE).is_file()
+
+
+def test_format_refuses_a_volume(volume):
+    with pytest.raises(VolumeError) as e:
+        make_volume(volume.path)
+    assert str(e.value) == f"volume directory {volume.path} is not empty"
+
+
+def test_format_refuses_a_non_empty_directory(tmp_path):
+    (tmp_path / "precious.txt").write_text("keep me")
+    with pytest.raises(VolumeError) as e:
+        make_volume(tmp_path)
+    assert str(e.value) == f"volume directory {tmp_path} is not empty"
+    assert sorted(os.listdir(tmp_path)) == ["precious.txt"]
+
+
+def test_open_finds_what_format_made(volume):
+    v = reopen(volume, capacity=1 << 20)
+    assert (v.uuid, v.id, v.storage_type, v.capacity, v.path) == (volume.uuid, 1, StorageType.SSD, 1 << 20, volume.path)
+
+
+def test_open_missing_volume(tmp_path):
+    with pytest.raises(VolumeError) as e:
+        Volume.open(tmp_path / "gone", fs_uuid=FS_UUID, volume_uuid="u", volume_id=1, storage_type=StorageType.SSD, capacity=None)
+    assert str(e.value) == f"volume {tmp_path / 'gone'} (SSD) is missing"
+
+
+def test_open_directory_without_identity(tmp_path):
+    with pytest.raises(VolumeError) as e:
+        Volume.open(tmp_path, fs_uuid=FS_UUID, volume_uuid="u", volume_id=1, storage_type=StorageType.SSD, capacity=None)
+    assert str(e.value) == f"{tmp_path} is not a tierfs volume (no VERSION file)"
+
+
+def test_open_foreign_filesystem(volume):
+    with pytest.raises(VolumeError) as e:
+        reopen(volume, fs_uuid="other-fs")
+    assert str(e.value) == f"{volume.path} belongs to another tierfs filesystem (fs uuid {FS_UUID}, expected other-fs)"
+
+
+def test_open_swapped_volume(volume):
+    with pytest.raises(VolumeError) as e:
+        reopen(volume, volume_uuid="other-volume")
+    assert str(e.value) == f"{volume.path} is volume {volume.uuid}, expected other-volume"
+
+
+def test_open_wrong_volume_id(volume):
+    with pytest.raises(VolumeError) as e:
+        reopen(volume, volume_id=2)
+    assert str(e.value) == f"{volume.path} is volume id 1, expected 2"
+
+
+def test_open_wrong_storage_type(volume):
+    with pytest.raises(VolumeError) as e:
+        reopen(volume, storage_type=StorageType.ARCHIVE)
+    assert str(e.value) == f"{volume.path} is a SSD volume, expected ARCHIVE"
+
+
+def test_open_malformed_identity(volume):
+    (volume.path / IDENTITY_FILE).write_text("{not json")
+    with pytest.raises(VolumeError) as e:
+        reopen(volume)
+    assert str(e.value).startswith(f"{volume.path} has a malformed VERSION file (")
+
+
+def test_open_future_layout(volume):
+    identity = json.loads((volume.path / IDENTITY_FILE).read_text())
+    identity["layout_version"] = 2
+    (volume.path / IDENTITY_FILE).write_text(json.dumps(identity))
+    with pytest.raises(VolumeError) as e:
+        reopen(volume)
+    assert str(e.value) == f"{volume.path} has layout version 2, this tierfs supports 1"
+
+
+def test_open_damaged_layout(volume):
+    shutil.rmtree(volume.path / "current")
+    with pytest.raises(VolumeError) as e:
+        reopen(volume)
+    assert str(e.value) == f"{volume.path} is damaged: {volume.path}/current/finalized is missing"
+
+
+# ---------------------------------------------------------------------- layout
+
+
+@pytest.mark.parametrize(
+    "block_id, a, b",
+    [(0, 0, 0), (0x12345678, 0x14, 0x16), (BLOCK + 0x1F1F00, 0x1F, 0x1F), (BLOCK + 0x200000, 0, 0), (-1, 31, 31)],
+)
+def test_layout_paths(volume, block_id, a, b):
+    leaf = volume.path / "current" / "finalized" / f"subdir{a}" / f"subdir{b}"
+    assert volume.data_path(block_id) == leaf / f"blk_{block_id}"
+    assert volume.meta_path(block_id, 1005) == leaf / f"blk_{block_id}_1005.meta"
+
+
+# ---------------------------------------------------------------------- create, write, read
+
+
+def test_create_makes_empty_durable_replica(volume):
+    with volume.create_replica(BLOCK, GS, 512) as r:
+        assert (r.volume, r.block_id, r.gs, r.bytes_per_checksum, r.length) == (volume, BLOCK, GS, 512, 0)
+        assert volume.data_path(BLOCK).read_bytes() == b""
+        assert volume.meta_path(BLOCK, GS).read_bytes() == b"\x00\x01\x02\x00\x00\x02\x00"
+        assert volume.used_bytes() == 7
+        assert r.read(0, 100) == b""
+
+
+def test_create_refuses_an_existing_replica(volume):
+    volume.create_replica(BLOCK, GS, 512).close()
+    with pytest.raises(VolumeError) as e:
+        volume.create_replica(BLOCK, GS + 1, 512)
+    assert e.value.errno == errno.EEXIST
+    assert volume.meta_gss(BLOCK) == [GS]
+    assert volume.used_bytes() == 7
+
+
+def test_write_read_round_trip(volume):
+    data = os.urandom(10_000)
+    with volume.create_replica(BLOCK, GS, 512) as r:
+        r.write(0, data[:100])
+        r.write(100, memoryview(data)[100:5000])
+        r.write(5000, bytearray(data[5000:]))
+        assert r.length == 10_000
+        assert r.read(0, 20_000) == data
+        assert r.read(511, 2) == data[511:513]
+        assert r.read(9_999, 10) == data[-1:]
+        assert r.read(10_000, 10) == b""
+        assert r.read(50_000, 10) == b""
+        assert r.read(5, 0) == b""
+    with volume.open_replica(BLOCK, GS, writable=False) as r:
+        assert r.length == 10_000
+        assert r.read(0, 10_000) == data
+    assert_replica_files(volume, BLOCK, GS, 512, data)
+    assert volume.used_bytes() == 10_000 + meta.meta_size(10_000, 512) == files_size(volume)
+
+
+def test_write_past_the_end_fills_zeros(replica, volume):
+    replica.write(5, b"abc")
+    replica.write(100, b"xyz")
+    model = b"\0" * 5 + b"abc" + b"\0" * 92 + b"xyz"
+    assert replica.read(0, 1000) == model
+    assert_replica_files(volume, BLOCK, GS, 16, model)
+
+
+def test_truncate_cuts_and_extends(replica, volume):
+    data = os.urandom(100)
+    replica.write(0, data)
+    replica.truncate(37)
+    assert replica.read(0, 1000) == data[:37]
+    assert_replica_files(volume, BLOCK, GS, 16, data[:37])
+    replica.truncate(70)
+    model = data[:37] + bytes(33)
+    assert replica.read(0, 1000) == model
+    assert_replica_files(volume, BLOCK, GS, 16, model)
+    replica.truncate(0)
+    assert_replica_files(volume, BLOCK, GS, 16, b"")
+    assert volume.used_bytes() == 7 == files_size(volume)
+
+
+def test_readers_see_the_writer(replica, volume):
+    with volume.open_replica(BLOCK, GS, writable=False) as reader:
+        replica.write(0, b"hello")
+        assert reader.length == 5
+        assert reader.read(0, 100) == b"hello"
+        replica.write(5, b" world")
+        assert reader.read(0, 100) == b"hello world"
+
+
+def test_two_writers_keep_crcs_exact(replica, volume):
+    """A second writable handle on the same replica must not use stale cached CRCs."""
+    with volume.open_replica(BLOCK, GS, writable=True) as other:
+        replica.write(0, b"abc")
+        other.write(3, b"def")
+        replica.write(6, b"ghi")
+        other.truncate(4)
+        replica.write(4, b"XY")
+    assert_replica_files(volume, BLOCK, GS, 16, b"abcdXY")
+    assert volume.used_bytes() == files_size(volume)
+
+
+def test_open_missing_replica(volume):
+    with pytest.raises(VolumeError) as e:
+        volume.open_replica(BLOCK, GS, writable=False)
+    assert e.value.errno == errno.EIO
+    assert str(e.value) == f"replica blk_{BLOCK}_{GS} is missing on volume {volume.path} (no data file blk_{BLOCK})"
+    volume.create_replica(BLOCK, GS, 16).close()
+    with pytest.raises(VolumeError) as e:
+        volume.open_replica(BLOCK, GS + 1, writable=True)
+    assert str(e.value).endswith(f"(no meta file blk_{BLOCK}_{GS + 1}.meta)")
+
+
+def test_open_replica_with_damaged_header(volume):
+    volume.create_replica(BLOCK, GS, 16).close()
+    volume.meta_path(BLOCK, GS).write_bytes(b"\x00\x01\x01\x00\x00\x00\x10")
+    with pytest.raises(ChecksumError) as e:
+        volume.open_replica(BLOCK, GS, writable=False)
+    assert "unsupported checksum type 1" in str(e.value)
+
+
+def test_misuse_is_loud(volume):
+    volume.create_replica(BLOCK, GS, 16).close()
+    reader = volume.open_replica(BLOCK, GS, writable=False)
+    with pytest.raises(ValueError, match="read-only"):
+        reader.write(0, b"x")
+    with pytest.raises(ValueError, match="read-only"):
+        reader.truncate(0)
+    reader.close()
+    reader.close()
+    with pytest.raises(ValueError, match="closed"):
+        reader.read(0, 1)
+
+
+def test_enospc_from_the_os_is_enospc(volume):
+    """/dev/full answers every write with ENOSPC: a real device, not a mock."""
+    meta_fd = os.open(tempfile.mktemp(dir=volume.tmp_dir), os.O_RDWR | os.O_CREAT)
+    os.pwrite(meta_fd, meta.header_bytes(16), 0)
+    r = Replica(volume, BLOCK, GS, 16, os.open("/dev/full", os.O_RDWR), meta_fd, writable=True)
+    with pytest.raises(FsError) as e:
+        r.write(0, b"x" * 10)
+    assert e.value.errno == errno.ENOSPC
+    assert str(volume.path) in str(e.value)
+    r.close()
+
+
+# ---------------------------------------------------------------------- random writes against a model
+
+
+class ReplicaMachine(RuleBasedStateMachine):
+    """Random writes, truncates, reopens and GS bumps against a bytearray."""
+
+    def __init__(self):
+        super().__init__()
+        self.tmp = tempfile.TemporaryDirectory()
+        self.volume = make_volume(Path(self.tmp.name) / "v")
+        self.model = bytearray()
+        self.replica = None
+
+    @initialize(bpc=st.sampled_from([1, 3, 16, 64, 512]))
+    def create(self, bpc):
+        self.bpc = bpc
+        self.gs = GS
+        self.replica = self.volume.create_replica(BLOCK, GS, bpc)
+
+    @rule(offset=st.integers(0, 700), data=st.binary(min_size=0, max_size=300))
+    def write(self, offset, data):
+        self.replica.write(offset, data)
+        if data:
+            if offset > len(self.model):
+                self.model.extend(bytes(offset - len(self.model)))
+            self.model[offset : offset + len(data)] = data
+
+    @rule(offset=st.integers(0, 700), size=st.integers(1, 300))
+    def write_same_size_pattern(self, offset, size):
+        """Writes whose bytes differ from the old ones, so a missed CRC update shows."""
+        self.write(offset, bytes((offset + i) % 251 for i in range(size)))
+
+    @rule(length=st.integers(0, 800))
+    def truncate(self, length):
+        self.replica.truncate(length)
+        if length < len(self.model):
+            del self.model[length:]
+        else:
+            self.model.extend(bytes(length - len(self.model)))
+
+    @rule(offset=st.integers(0, 900), size=st.integers(0, 900))
+    def read(self, offset, size):
+        assert self.replica.read(offset, size) == bytes(self.model[offset : offset + size])
+
+    @rule()
+    def reopen(self):
+        self.replica.close()
+        self.replica = self.volume.open_replica(BLOCK, self.gs, writable=True)
+
+    @rule()
+    def reopen_volume(self):
+        """A fresh volume object must count exactly what the old one kept up to date."""
+        self.replica.close()
+        self.volume = reopen(self.volume)
+        self.replica = self.volume.open_replica(BLOCK, self.gs, writable=True)
+
+    @rule()
+    def bump_gs(self):
+        self.gs += 1
+        self.replica.set_gs(self.gs)
+
+    @invariant()
+    def files_match_model(self):
+        if self.replica is None:
+            return
+        model = bytes(self.model)
+        assert self.replica.length == len(model)
+        assert self.replica.read(0, len(model) + 1) == model
+        assert_replica_files(self.volume, BLOCK, self.gs, self.bpc, model)
+        assert self.volume.used_bytes() == files_size(self.volume) == len(model) + meta.meta_size(len(model), self.bpc)
+        assert self.replica.verified_length() == len(model)
+
+    def teardown(self):
+        if self.replica is not None:
+            self.replica.close()
+        self.tmp.cleanup()
+
+
+ReplicaMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+test_replica_against_model = ReplicaMachine.TestCase
+
+
+# ---------------------------------------------------------------------- corruption
+
+
+def corrupt_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        old = f.read(1)
+        f.seek(offset)
+        f.write(bytes([old[0] ^ 0x40]))
+
+
+def test_corrupt_byte_fails_only_its_chunk(volume):
+    data = os.urandom(4 * 512)
+    with volume.create_replica(BLOCK, GS, 512) as r:
+        r.write(0, data)
+        corrupt_byte(volume.data_path(BLOCK), 2 * 512 + 7)
+        for offset, size in [(2 * 512 + 7, 1), (2 * 512, 512), (0, 4 * 512), (1000, 100)]:
+            with pytest.raises(ChecksumError) as e:
+                r.read(offset, size)
+            assert e.value.errno == errno.EIO
+            assert str(volume.path) in str(e.value)
+            assert f"block {BLOCK}" in str(e.value) and "chunk 2" in str(e.value)
+        assert r.read(0, 1024) == data[:1024]
+        assert r.read(3 * 512, 512) == data[3 * 512 :]
+        assert r.read(1000, 24) == data[1000:1024]
+
+
+def test_corrupt_crc_is_detected(volume):
+    data = os.urandom(3 * 512)
+    with volume.create_replica(BLOCK, GS, 512) as r:
+        r.write(0, data)
+        corrupt_byte(volume.meta_path(BLOCK, GS), 7 + 4 * 1)
+        with pytest.raises(ChecksumError, match="chunk 1"):
+            r.read(600, 10)
+        assert r.read(0, 512) == data[:512]
+
+
+def test_partial_write_never_blesses_a_corrupt_chunk(volume):
+    """Rewriting part of a corrupt chunk must fail, not store a fresh CRC over bad bytes."""
+    data = os.urandom(2 * 512)
+    with volume.create_replica(BLOCK, GS, 512) as r:
+        r.write(0, data)
+        corrupt_byte(volume.data_path(BLOCK), 10)
+        with pytest.raises(ChecksumError, match="chunk 0"):
+            r.write(100, b"new")
+        with pytest.raises(ChecksumError, match="chunk 0"):
+            r.truncate(300)
+        r.write(0, b"x" * 512)  # a whole-chunk write replaces the bad bytes: fine
+        assert r.read(0, 1024) == b"x" * 512 + data[512:]
+
+
+def test_append_keeps_a_corrupt_partial_chunk_detectable(volume):
+    with volume.create_replica(BLOCK, GS, 512) as r:
+        r.write(0, b"a" * 100)
+        corrupt_byte(volume.data_path(BLOCK), 50)
+        r.write(100, b"b" * 100)  # continues the stored CRC, which still describes the good bytes
+        with pytest.raises(ChecksumError):
+            r.read(0, 10)
+
+
+def test_short_meta_file_is_an_error(volume):
+    with volume.create_replica(BLOCK, GS, 16) as r:
+        r.write(0, b"z" * 64)
+        os.truncate(volume.meta_path(BLOCK, GS), 7 + 4 * 2)
+        assert r.read(0, 32) == b"z" * 32
+        with pytest.raises(ChecksumError, match="no checksum for chunk 2"):
+            r.read(40, 4)
+
+
+# ---------------------------------------------------------------------- generation stamps
+
+
+def test_set_gs_renames_the_meta_file(volume):
+    with volume.create_replica(BLOCK, GS, 16) as r:
+        r.write(0, b"version one")
+        r.set_gs(GS + 5)
+        assert r.gs == GS + 5
+        assert volume.meta_gss(BLOCK) == [GS + 5]
+        assert not volume.meta_path(BLOCK, GS).exists()
+        r.write(11, b", two")
+    assert_replica_files(volume, BLOCK, GS + 5, 16, b"version one, two")
+    with pytest.raises(VolumeError):
+        volume.open_replica(BLOCK, GS, writable=False)
+    with volume.open_replica(BLOCK, GS + 5, writable=False) as r:
+        assert r.read(0, 100) == b"version one, two"
+
+
+def test_set_gs_refuses_to_overwrite_a_meta_file(volume):
+    with volume.create_replica(BLOCK, GS, 16) as r:
+        volume.meta_path(BLOCK, GS + 1).write_bytes(meta.header_bytes(16))
+        with pytest.raises(VolumeError) as e:
+            r.set_gs(GS + 1)
+        assert e.value.errno == errno.EEXIST
+        assert r.gs == GS
+
+
+def test_meta_gss_lists_every_stamp(volume):
+    assert volume.meta_gss(BLOCK) == []
+    volume.create_replica(BLOCK, 1003, 16).close()
+    volume.meta_path(BLOCK, 1001).write_bytes(meta.header_bytes(16))
+    volume.meta_path(BLOCK + 10, 1002).write_bytes(meta.header_bytes(16))  # same directory, other block
+    assert volume.meta_gss(BLOCK) == [1001, 1003]
+
+
+# ---------------------------------------------------------------------- crash recovery
+
+
+def torn_append(volume: Volume, block_id: int, data: bytes) -> None:
+    """What a crash between the data write and the meta write leaves: data, no CRCs."""
+    path = volume.data_path(block_id)
+    with open(path, "ab") as f:
+        f.write(data)
+
+
+@pytest.mark.parametrize("acknowledged", [0, 100, 512, 700, 1024])
+@pytest.mark.parametrize("torn", [1, 50, 412, 600, 3000])
+def test_verified_length_after_torn_append(volume, acknowledged, torn):
+    data = os.urandom(acknowledged)
+    with volume.create_replica(BLOCK, GS, 512) as r:
+        r.write(0, data)
+    torn_append(volume, BLOCK, os.urandom(torn))
+    volume = reopen(volume)  # the daemon died: the next mount scans again
+    with volume.open_replica(BLOCK, GS, writable=True) as r:
+        assert r.length == acknowledged + torn
+        assert r.verified_length() == acknowledged
+        r.truncate(r.verified_length())
+        assert r.read(0, 10_000) == data
+        r.write(acknowledged, b"more")
+        assert r.read(0, 10_000) == data + b"more"
+    assert_replica_files(volume, BLOCK, GS, 512, data + b"more")
+    assert reopen(volume).used_bytes() == volume.used_bytes() == files_size(volume)
+
+
+def test_verified_length_after_torn_overwrite(volume):
+    data = os.urandom(5 * 512)
+    with volume.create_replica(BLOCK, GS, 512) as r:
+        r.write(0, data)
+    with open(volume.data_path(BLOCK), "r+b") as f:
+        f.seek(2 * 512 + 100)
+        f.write(b"new bytes, old crc")
+    with volume.open_replica(BLOCK, GS, writable=True) as r:
+        assert r.verified_length() == 2 * 512
+
+
+def test_verified_length_with_crcs_but_no_data(volume):
+    """Meta written, data lost (power cut reordering): only fully covered chunks count."""
+    with volume.create_replica(BLOCK, GS, 512) as r:
+        r.write(0, os.urandom(1500))
+    os.truncate(volume.data_path(BLOCK), 1100)
+    with volume.open_replica(BLOCK, GS, writable=True) as r:
+        assert r.verified_length() == 1024
+
+
+def test_verified_length_of_a_large_replica(volume):
+    data = os.urandom(9 << 20)  # more than one recovery span
+    with volume.create_replica(BLOCK, GS, 4096) as r:
+        r.write(0, data)
+        assert r.verified_length() == len(data)
+    corrupt_byte(volume.data_path(BLOCK), (5 << 20) + 3)
+    with volume.open_replica(BLOCK, GS, writable=False) as r:
+        assert r.verified_length() == 5 << 20
+
+
+# ---------------------------------------------------------------------- scans and accounting
+
+
+def test_iter_replicas_finds_orphans(volume):
+    volume.create_replica(BLOCK, GS, 16).close()  # complete
+    with volume.create_replica(BLOCK + 1, GS, 16) as r:  # two meta files
+        r.write(0, b"abc")
+    volume.meta_path(BLOCK + 1, 1000).write_bytes(meta.header_bytes(16))
+    volume.create_replica(BLOCK + 2, GS, 16).close()  # data without meta
+    volume.meta_path(BLOCK + 2, GS).unlink()
+    volume.create_replica(BLOCK + 70000, GS, 16).close()  # meta without data, other directory
+    volume.data_path(BLOCK + 70000).unlink()
+    (volume.data_path(BLOCK).parent / "notes.txt").write_text("not a replica")
+
+    def at(bid, gs):
+        return volume.meta_path(bid, gs) if gs is not None else None
+
+    assert list(volume.iter_replicas()) == [
+        ReplicaInfo(BLOCK, GS, volume.data_path(BLOCK), at(BLOCK, GS), 0, 7),
+        ReplicaInfo(BLOCK + 1, 1000, volume.data_path(BLOCK + 1), at(BLOCK + 1, 1000), 3, 7),
+        ReplicaInfo(BLOCK + 1, GS, volume.data_path(BLOCK + 1), at(BLOCK + 1, GS), 3, 11),
+        ReplicaInfo(BLOCK + 2, None, volume.data_path(BLOCK + 2), None, 0, 0),
+        ReplicaInfo(BLOCK + 70000, GS, None, at(BLOCK + 70000, GS), 0, 7),
+    ]
+
+
+def test_space_accounting_with_a_capacity(tmp_path):
+    v = make_volume(tmp_path / "v", capacity=1 << 20)
+    disk_free = shutil.disk_usage(tmp_path).free
+    assert v.total_bytes() == 1 << 20
+    assert v.free_bytes() == 1 << 20
+    with v.create_replica(BLOCK, GS, 4096) as r:
+        r.write(0, os.urandom(100_000))
+    used = 100_000 + meta.meta_size(100_000, 4096)
+    assert v.used_bytes() == used == files_size(v)
+    assert v.free_bytes() == (1 << 20) - used
+    assert v.has_room((1 << 20) - used) and not v.has_room((1 << 20) - used + 1)
+    assert reopen(v).used_bytes() == used
+    v.delete_replica(BLOCK, GS)
+    assert v.used_bytes() == 0 and v.free_bytes() == 1 << 20
+    assert abs(v.free_bytes() - min(1 << 20, disk_free)) <= 1 << 20
+
+
+def test_space_accounting_without_a_capacity(volume):
+    with volume.create_replica(BLOCK, GS, 512) as r:
+        r.write(0, b"x" * 1000)
+    disk_free = shutil.disk_usage(volume.path).free
+    assert abs(volume.free_bytes() - disk_free) < 64 << 20  # other tests may be writing
+    assert abs(volume.total_bytes() - (volume.used_bytes() + disk_free)) < 64 << 20
+    assert volume.has_room(1) and not volume.has_room(1 << 62)
+
+
+def test_delete_is_idempotent(volume):
+    with volume.create_replica(BLOCK, GS, 16) as r:
+        r.write(0, b"data")
+    volume.meta_path(BLOCK, 999).write_bytes(meta.header_bytes(16))
+    volume.delete_replica(BLOCK, GS)
+    assert not volume.data_path(BLOCK).exists()
+    assert volume.meta_gss(BLOCK) == [999]
+    volume.delete_replica(BLOCK, GS)
+    volume.delete_replica(BLOCK)
+    volume.delete_replica(BLOCK)
+    volume.delete_replica(BLOCK + 12345)
+    assert list(volume.iter_replicas()) == []
+    assert reopen(volume).used_bytes() == 0
+
+
+def test_delete_while_open_stops_counting(volume):
+    r = volume.create_replica(BLOCK, GS, 16)
+    r.write(0, b"abc")
+    volume.delete_replica(BLOCK)
+    assert volume.used_bytes() == 0
+    r.write(3, b"def")  # still works on the unlinked files, not counted
+    assert r.read(0, 10) == b"abcdef"
+    assert volume.used_bytes() == 0
+    r.close()
+    with volume.create_replica(BLOCK, GS + 1, 16) as fresh:  # a new replica gets fresh state
+        assert fresh.length == 0
+
+
+def test_install_replica_moves_a_copy_into_place(tmp_path, volume):
+    source = make_volume(tmp_path / "disk0", StorageType.DISK, volume_id=2)
+    with source.create_replica(BLOCK, GS, 16) as r:
+        r.write(0, b"moving data")
+    data_tmp, meta_tmp = volume.tmp_dir / "d", volume.tmp_dir / "m"
+    shutil.copyfile(source.data_path(BLOCK), data_tmp)
+    shutil.copyfile(source.meta_path(BLOCK, GS), meta_tmp)
+    volume.install_replica(BLOCK, GS, data_tmp, meta_tmp)
+    assert os.listdir(volume.tmp_dir) == []
+    with volume.open_replica(BLOCK, GS, writable=False) as r:
+        assert r.read(0, 100) == b"moving data"
+    assert volume.used_bytes() == files_size(volume) == 11 + 11
+    with pytest.raises(VolumeError) as e:
+        volume.install_replica(BLOCK, GS, data_tmp, meta_tmp)
+    assert e.value.errno == errno.EEXIST
+
+
+def test_clear_tmp(volume):
+    (volume.tmp_dir / "half-copied").write_bytes(b"x")
+    (volume.tmp_dir / "dir").mkdir()
+    assert volume.clear_tmp() == 2
+    assert os.listdir(volume.tmp_dir) == []
+
+
+def test_many_blocks_spread_over_directories(volume):
+    ids = [BLOCK + i * 97 for i in range(600)]
+    for bid in ids:
+        volume.create_replica(bid, GS, 512).close()
+    found = [info.block_id for info in volume.iter_replicas()]
+    assert sorted(found) == ids
+    assert len({volume.data_path(b).parent for b in ids}) == len({((b >> 16) & 0x1F, (b >> 8) & 0x1F) for b in ids})
+    assert volume.used_bytes() == 7 * len(ids)
+
+
+def test_block_ids_in_one_directory_are_not_confused(volume):
+    """blk_1_... must not be read as a meta file of blk_1 when scanning blk_12's neighbours."""
+    for bid in (1, 12, 123):
+        volume.create_replica(bid, GS, 16).close()
+    assert volume.meta_gss(1) == [GS]
+    assert [i.block_id for i in volume.iter_replicas()] == [1, 12, 123]
+
