@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
+from collections import defaultdict
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -66,6 +68,26 @@ class VolumeSet:
         if not candidates:
             return None
         return max(candidates, key=lambda v: v.free_bytes())
+
+    def space(self) -> tuple[int, int]:
+        """(total, free) bytes over all volumes, counting each disk's free space once.
+
+        Volumes often share a disk (the default layout puts all three on DATA's); summing
+        their free space would promise that space several times over.
+        """
+        groups: dict[int, list[Volume]] = defaultdict(list)
+        for volume in self.by_id.values():
+            groups[os.stat(volume.path).st_dev].append(volume)
+        total = free = 0
+        for members in groups.values():
+            disk_free = min(v.free_bytes() if v.capacity is None else v._disk_free()
+                            for v in members)
+            capped = sum(v.free_bytes() for v in members if v.capacity is not None)
+            uncapped = any(v.capacity is None for v in members)
+            group_free = min(disk_free, capped + (disk_free if uncapped else 0))
+            free += group_free
+            total += sum(v.used_bytes() for v in members) + group_free
+        return total, free
 
     def sorted_for_read(self, volume_ids: Iterable[int]) -> list[Volume]:
         """Replicas in read preference order: fastest storage type first."""

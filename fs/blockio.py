@@ -277,7 +277,8 @@ class BlockIO:
         of.bumped.add(index)
 
     def _write_new_block(self, of: OpenFile, index: int, boff: int, piece) -> None:
-        """Create the replicas, write the first data, fsync, then record the block."""
+        """Create the replicas (durably: files and directory fsynced), write the first data,
+        then record the block. The data itself becomes durable on fsync, like any write."""
         volumes = self.placer(of.ino, boff + len(piece))
         block_id = self.ns.reserve("next_block_id")
         gs = self.ns.reserve("gs")
@@ -287,7 +288,6 @@ class BlockIO:
                 replica = volume.create_replica(block_id, gs, self.bpc)
                 replicas.append(replica)
                 replica.write(boff, piece)
-                replica.fsync()
             rec = BlockRecord(block_id, gs, boff + len(piece), tuple(v.id for v in volumes))
             self.ns.add_block(of.ino, index, rec)
         except BaseException:

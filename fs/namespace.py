@@ -25,9 +25,9 @@ from typing import Callable, Iterable, Iterator
 
 import lmdb
 
-from tierfs.fs import schema
+from tierfs.fs import inherited, schema
 from tierfs.fs.errors import FsError
-from tierfs.fs.schema import BlockRecord, Inode, Op, ROOT_INO, u64
+from tierfs.fs.schema import BlockRecord, Inherited, Inode, Op, ROOT_INO, SatisfyReason, u64
 
 log = logging.getLogger(__name__)
 
@@ -340,6 +340,55 @@ class Namespace:
                     break
                 yield schema.split_block_key(key)[1], BlockRecord.unpack(value)
 
+    def _ops_chain(self, txn, ino: int, attr: int) -> list[inherited.Op | None]:
+        """The inherited-xattr ops of ``ino`` and its ancestors (root last)."""
+        ops = []
+        db = self.db["inherited"]
+        for _ in range(100_000):
+            raw = txn.get(schema.inherited_key(ino, attr), db=db)
+            ops.append(None if raw is None else inherited.Op.from_bytes(bytes(raw)))
+            if ino == ROOT_INO:
+                return ops
+            ino = self._inode(txn, ino).parent
+        raise FsError(errno.EIO, "parent loop in the namespace")
+
+    def _put_op(self, txn, ino: int, attr: int, op: inherited.Op | None) -> None:
+        key = schema.inherited_key(ino, attr)
+        if op is None:
+            txn.delete(key, db=self.db["inherited"])
+        else:
+            txn.put(key, op.to_bytes(), db=self.db["inherited"])
+
+    def _index_subtree(self, w: _Write, ino: int, reason: int) -> None:
+        """The subtree's effective placement changed: tell the satisfier, same txn."""
+        w.txn.put(schema.satisfier_key(w.txid, ino), bytes((reason,)), db=self.db["satisfier"])
+
+    @property
+    def rename_mode(self) -> inherited.RenameMode:
+        return inherited.RenameMode(self.config.rename_mode)
+
+    def _moved(self, w: _Write, ino: int, new_parent: int) -> list:
+        """Before a rename of ``ino`` into ``new_parent``: its new ops, and whether its
+        effective values change (computed from the chains before anything moves)."""
+        txn, mode = w.txn, self.rename_mode
+        plans = []
+        for attr in Inherited.ALL:
+            old_chain = self._ops_chain(txn, ino, attr)
+            parent_chain = self._ops_chain(txn, new_parent, attr)
+            op = inherited.op_for_rename(old_chain, parent_chain, w.txid, mode)
+            before = inherited.resolve(old_chain, mode).value
+            after = inherited.resolve([op] + parent_chain, mode).value
+            plans.append((attr, op, before != after))
+        return plans
+
+    def _apply_moved(self, w: _Write, ino: int, plans: list) -> None:
+        changed = False
+        for attr, op, differs in plans:
+            self._put_op(w.txn, ino, attr, op)
+            changed |= differs
+        if changed:
+            self._index_subtree(w, ino, SatisfyReason.RENAME)
+
     # --- reads ------------------------------------------------------------------------------
 
     def get_inode(self, ino: int) -> Inode:
@@ -590,7 +639,10 @@ class Namespace:
                     raise _enoent(f"{new_name!r} not found")
                 if stat.S_ISDIR(dst.mode):
                     self._check_not_inside(txn, dst.ino, old_parent)
+                plans = (self._moved(w, src.ino, new_parent), self._moved(w, dst.ino, old_parent))
                 self._exchange(txn, src_dir, old_name, src, dst_dir, new_name, dst, now_ns)
+                self._apply_moved(w, src.ino, plans[0])
+                self._apply_moved(w, dst.ino, plans[1])
                 return None
             if dst is not None and noreplace:
                 raise FsError(errno.EEXIST, f"{new_name!r} exists")
@@ -601,8 +653,10 @@ class Namespace:
                 self._remove_dentry(txn, new_parent, new_name)
                 if stat.S_ISDIR(dst.mode):
                     dst_dir.nlink -= 1
+            plans = self._moved(w, src.ino, new_parent)
             self._remove_dentry(txn, old_parent, old_name)
             self._add_dentry(txn, dst_dir, new_name, src.ino)
+            self._apply_moved(w, src.ino, plans)
             if stat.S_ISDIR(src.mode) and dst_dir is not src_dir:
                 src_dir.nlink -= 1
                 dst_dir.nlink += 1
@@ -707,6 +761,55 @@ class Namespace:
             self._put_inode(w.txn, inode)
 
         self._mutate(Op.REMOVEXATTR, (ino, name), body)
+
+    def set_inherited(self, ino: int, attr: int, value: int | None, now_ns: int) -> None:
+        """Set (``value``) or unset (None) an inherited xattr on ``ino`` and its subtree.
+
+        One op row whatever the subtree's size; the satisfier index gets the subtree in the
+        same transaction when its effective value changes.
+        """
+
+        def body(w: _Write) -> None:
+            txn, mode = w.txn, self.rename_mode
+            inode = self._inode(txn, ino)
+            chain = self._ops_chain(txn, ino, attr)
+            before = inherited.resolve(chain, mode).value
+            if value is None:
+                op = inherited.op_for_unset(chain, w.txid, mode)
+            else:
+                op = inherited.op_for_set(chain, value, w.txid, mode)
+            self._put_op(txn, ino, attr, op)
+            after = inherited.resolve([op] + chain[1:], mode).value
+            if before != after:
+                self._index_subtree(w, ino, SatisfyReason.UNSET if value is None
+                                    else SatisfyReason.SET)
+            inode.ctime_ns = now_ns
+            self._put_inode(txn, inode)
+
+        self._mutate(Op.SET_INHERITED, (ino, attr, value), body)
+
+    def satisfier_entries(self) -> list[tuple[int, int, int]]:
+        """(txid, ino, reason) of the subtrees waiting for the satisfier, oldest first."""
+        with self.env.begin() as txn:
+            return [(*schema.split_satisfier_key(k), v[0])
+                    for k, v in txn.cursor(db=self.db["satisfier"])]
+
+    def path_of(self, ino: int) -> str:
+        """A path of ``ino`` (its primary link), for messages and policy_source."""
+        names = []
+        with self.env.begin() as txn:
+            while ino != ROOT_INO and len(names) < 100_000:
+                inode = self._inode(txn, ino)
+                name = None
+                with txn.cursor(db=self.db["backlinks"]) as cur:
+                    prefix = schema.U64X2.pack(ino, inode.parent)
+                    if cur.set_range(prefix) and cur.key()[:16] == prefix:
+                        name = bytes(cur.key()[16:])
+                if name is None:
+                    return "(unlinked)"
+                names.append(name.decode(errors="surrogateescape"))
+                ino = inode.parent
+        return "/" + "/".join(reversed(names))
 
     def purge(self, ino: int) -> None:
         """Delete an orphan inode the kernel has forgotten and nobody holds open."""

@@ -32,6 +32,7 @@ import trio
 from tierfs.fs.blockio import BlockIO, OpenFile
 from tierfs.fs.errors import FsError
 from tierfs.fs.namespace import NAME_MAX, Namespace
+from tierfs.fs.policy_xattrs import PolicyXattrs, is_policy_xattr
 from tierfs.fs.schema import ROOT_INO, Inode
 
 log = logging.getLogger(__name__)
@@ -75,12 +76,13 @@ class Operations(pyfuse3.Operations):
     """tierfs as seen by the kernel."""
 
     supports_dot_lookup = True
-    enable_writeback_cache = False
+    enable_writeback_cache = True
 
     def __init__(self, ns: Namespace, blockio: BlockIO, statfs_source, resolver):
         super().__init__()
         self.ns = ns
         self.resolver = resolver
+        self.policy_xattrs = PolicyXattrs(ns, resolver, blockio.volumes, self._blocks_of)
         self.blockio = blockio
         self.statfs_source = statfs_source
         self.lookups: dict[int, int] = {ROOT_INO: 1}
@@ -125,6 +127,10 @@ class Operations(pyfuse3.Operations):
             return 0
         blocks = of.blocks if of is not None else self.ns.get_blocks(inode.ino)
         return sum(-(-rec.length // 4096) * 4096 for rec in blocks.values())
+
+    def _blocks_of(self, ino: int):
+        of = self.blockio.files.get(ino)
+        return of.blocks if of is not None else self.ns.get_blocks(ino)
 
     def _reply_entry(self, inode: Inode) -> pyfuse3.EntryAttributes:
         self.lookups[inode.ino] = self.lookups.get(inode.ino, 0) + 1
@@ -394,11 +400,15 @@ class Operations(pyfuse3.Operations):
             raise FsError(errno.ERANGE, "attribute name too long")
         if not name.startswith(XATTR_NAMESPACES):
             raise FsError(errno.ENODATA, "no such attribute")
+        if is_policy_xattr(name):
+            return self.policy_xattrs.get(inode, name)
         return self.ns.get_xattr(inode, name)
 
     @handler
     async def setxattr(self, inode, name, value, ctx):
         self._check_xattr_name(name)
+        if is_policy_xattr(name):
+            return self.policy_xattrs.set(inode, name, value)
         if len(value) > XATTR_VALUE_MAX:
             raise FsError(errno.E2BIG, "attribute value too large")
         try:
@@ -411,7 +421,7 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def listxattr(self, inode, ctx):
-        names = self.ns.list_xattrs(inode)
+        names = self.ns.list_xattrs(inode) + self.policy_xattrs.listed(inode)
         if sum(len(n) + 1 for n in names) > XATTR_LIST_MAX:
             raise FsError(errno.E2BIG, "attribute list too large")
         return names
@@ -419,6 +429,8 @@ class Operations(pyfuse3.Operations):
     @handler
     async def removexattr(self, inode, name, ctx):
         self._check_xattr_name(name)
+        if is_policy_xattr(name):
+            return self.policy_xattrs.remove(inode, name)
         self.ns.remove_xattr(inode, name, time.time_ns())
 
 
@@ -441,8 +453,7 @@ def make_statfs(volumes, ns: Namespace):
 
     def statfs() -> pyfuse3.StatvfsData:
         st = pyfuse3.StatvfsData()
-        total = sum(v.total_bytes() for v in volumes)
-        free = sum(v.free_bytes() for v in volumes)
+        total, free = volumes.space()
         st.f_bsize = IO_BLKSIZE
         st.f_frsize = 4096
         st.f_blocks = total // 4096

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from tierfs.fs.inherited import DEFAULT, Op, RenameMode, Resolved, resolve
 from tierfs.fs.namespace import Namespace
+from tierfs.fs.schema import Inherited
 from tierfs.satisfier.policies import BlockStoragePolicy, PolicySuite
 
-ATTR_POLICY = 1
-ATTR_REPLICATION = 2
+ATTR_POLICY = Inherited.POLICY
+ATTR_REPLICATION = Inherited.REPLICATION
 
 
 class Resolver:

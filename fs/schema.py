@@ -181,6 +181,26 @@ def satisfier_key(txid: int, ino: int) -> bytes:
     return U64X2.pack(txid, ino)
 
 
+def split_satisfier_key(raw: bytes) -> tuple[int, int]:
+    return U64X2.unpack(raw)
+
+
+class Inherited:
+    """Attribute numbers of the ``inherited`` database."""
+
+    POLICY = 1
+    REPLICATION = 2
+    ALL = (1, 2)
+
+
+class SatisfyReason:
+    """Why a subtree was put in the satisfier index (value byte of ``satisfier``)."""
+
+    SET = 1
+    UNSET = 2
+    RENAME = 3
+
+
 # --- blocks ------------------------------------------------------------------------------
 
 BLOCK_HEAD = struct.Struct(">QQQB")
