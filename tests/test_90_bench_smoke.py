@@ -1,0 +1,64 @@
+"""Smoke test of the benchmark harness (bench/run.py) on a plain directory.
+
+The benchmark itself runs outside the test suite (DESIGN.md section 12); this only keeps the
+harness working: a quick ``--target-only`` run must finish and report a figure for every
+workload, in the table and in the JSON. It needs no tierfs, and takes a second or two.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = os.path.join(REPO, "bench", "run.py")
+
+#: Figures a plain directory cannot give: it has no storage-policy xattr, and dropping the
+#: page cache needs root.
+NOT_ON_PLAIN_DIRS = {"setfattr_empty", "setfattr_subtree", "setfattr_ratio"}
+NEEDS_ROOT = {"seq_read_cold"}
+FIGURES = [
+    "seq_write", "seq_read_cold", "seq_read_warm", "rand_read_4k", "rand_write_4k",
+    "append_small", "create", "stat_warm", "readdir", "rename", "unlink", "mkdir",
+    "small_files_write", "small_files_read",
+]
+
+
+@pytest.mark.timeout(60)
+def test_quick_run_on_a_plain_directory_reports_every_workload(tmp_path):
+    out = tmp_path / "bench.json"
+    target = tmp_path / "target"
+    target.mkdir()
+    done = subprocess.run(
+        [sys.executable, RUN, "--target-only", str(target), "--quick", "--json", str(out)],
+        capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    table = done.stdout.split("\n\n")[-1]
+    optional = NOT_ON_PLAIN_DIRS | (NEEDS_ROOT if os.geteuid() != 0 else set())
+    for name in FIGURES + sorted(NOT_ON_PLAIN_DIRS):
+        row = re.search(rf"^{name}\s+\S+\s+(\S+)", table, re.MULTILINE)
+        assert row, f"no row for {name} in:\n{table}"
+        if name not in optional:
+            assert re.fullmatch(r"[\d,.]+", row.group(1)), f"{name}: {row.group(0)}"
+            assert float(row.group(1).replace(",", "")) > 0
+
+    figures = {f["name"]: f for f in json.loads(out.read_text())["figures"]}
+    for name in FIGURES:
+        if name not in optional:
+            assert figures[name]["values"]["dir"]["value"] > 0
+    assert "skipped" in figures["setfattr_subtree"]["values"]["dir"]
+    assert os.listdir(target) == [], "the harness left files behind"
+
+
+def test_unknown_workload_is_refused(tmp_path):
+    done = subprocess.run(
+        [sys.executable, RUN, "--target-only", str(tmp_path), "--only", "seq_write,nope"],
+        capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2
+    assert "nope" in done.stderr
