@@ -245,13 +245,17 @@ class Volume:
             which = ("data file", "meta file")[len(fds)]
             name = (data_path, meta_path)[len(fds)].name
             _abandon(fds, [])
-            raise VolumeError(f"replica blk_{block_id}_{gs} is missing on volume {self.path} (no {which} {name})") from e
+            raise VolumeError(
+                f"replica blk_{block_id}_{gs} is missing on volume {self.path} (no {which} {name})"
+            ) from e
         except ChecksumError as e:
             _abandon(fds, [])
             raise ChecksumError(f"{meta_path}: {e}") from e
         except OSError as e:
             _abandon(fds, [])
-            raise VolumeError(f"cannot open replica blk_{block_id}_{gs} on volume {self.path}: {e.strerror or e}") from e
+            raise VolumeError(
+                f"cannot open replica blk_{block_id}_{gs} on volume {self.path}: {e.strerror or e}"
+            ) from e
         return Replica(self, block_id, gs, bpc, fds[0], fds[1], writable=writable)
 
     def delete_replica(self, block_id: int, gs: int | None = None) -> None:

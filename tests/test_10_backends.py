@@ -235,13 +235,17 @@ def test_open_finds_what_format_made(volume):
 
 def test_open_missing_volume(tmp_path):
     with pytest.raises(VolumeError) as e:
-        Volume.open(tmp_path / "gone", fs_uuid=FS_UUID, volume_uuid="u", volume_id=1, storage_type=StorageType.SSD, capacity=None)
+        Volume.open(
+            tmp_path / "gone", fs_uuid=FS_UUID, volume_uuid="u", volume_id=1, storage_type=StorageType.SSD, capacity=None
+        )
     assert str(e.value) == f"volume {tmp_path / 'gone'} (SSD) is missing"
 
 
 def test_open_directory_without_identity(tmp_path):
     with pytest.raises(VolumeError) as e:
-        Volume.open(tmp_path, fs_uuid=FS_UUID, volume_uuid="u", volume_id=1, storage_type=StorageType.SSD, capacity=None)
+        Volume.open(
+            tmp_path, fs_uuid=FS_UUID, volume_uuid="u", volume_id=1, storage_type=StorageType.SSD, capacity=None
+        )
     assert str(e.value) == f"{tmp_path} is not a tierfs volume (no VERSION file)"
 
 
