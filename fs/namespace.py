@@ -368,25 +368,21 @@ class Namespace:
         return inherited.RenameMode(self.config.rename_mode)
 
     def _moved(self, w: _Write, ino: int, new_parent: int) -> list:
-        """Before a rename of ``ino`` into ``new_parent``: its new ops, and whether its
-        effective values change (computed from the chains before anything moves)."""
+        """Before a rename of ``ino`` into ``new_parent``: its new ops (computed from the
+        chains before anything moves)."""
         txn, mode = w.txn, self.rename_mode
-        plans = []
-        for attr in Inherited.ALL:
-            old_chain = self._ops_chain(txn, ino, attr)
-            parent_chain = self._ops_chain(txn, new_parent, attr)
-            op = inherited.op_for_rename(old_chain, parent_chain, w.txid, mode)
-            before = inherited.resolve(old_chain, mode).value
-            after = inherited.resolve([op] + parent_chain, mode).value
-            plans.append((attr, op, before != after))
-        return plans
+        return [(attr, inherited.op_for_rename(self._ops_chain(txn, ino, attr),
+                                               self._ops_chain(txn, new_parent, attr),
+                                               w.txid, mode))
+                for attr in Inherited.ALL]
 
     def _apply_moved(self, w: _Write, ino: int, plans: list) -> None:
-        changed = False
-        for attr, op, differs in plans:
+        """Store the moved inode's ops. A rename-affected move can change the value of any
+        inode below it (not only its own), and the subtree cannot be inspected in O(1), so
+        the satisfier always gets the subtree; a keep-mode move changes no value."""
+        for attr, op in plans:
             self._put_op(w.txn, ino, attr, op)
-            changed |= differs
-        if changed:
+        if self.rename_mode is inherited.RenameMode.FOLLOW:
             self._index_subtree(w, ino, SatisfyReason.RENAME)
 
     # --- reads ------------------------------------------------------------------------------
@@ -773,16 +769,15 @@ class Namespace:
             txn, mode = w.txn, self.rename_mode
             inode = self._inode(txn, ino)
             chain = self._ops_chain(txn, ino, attr)
-            before = inherited.resolve(chain, mode).value
             if value is None:
                 op = inherited.op_for_unset(chain, w.txid, mode)
             else:
                 op = inherited.op_for_set(chain, value, w.txid, mode)
             self._put_op(txn, ino, attr, op)
-            after = inherited.resolve([op] + chain[1:], mode).value
-            if before != after:
-                self._index_subtree(w, ino, SatisfyReason.UNSET if value is None
-                                    else SatisfyReason.SET)
+            # Descendants with older settings of their own change too, even when this
+            # inode's value does not: the satisfier always gets the subtree.
+            self._index_subtree(w, ino, SatisfyReason.UNSET if value is None
+                                else SatisfyReason.SET)
             inode.ctime_ns = now_ns
             self._put_inode(txn, inode)
 
