@@ -89,6 +89,7 @@ class Operations(pyfuse3.Operations):
         self.handles: dict[int, Handle] = {}
         self.dir_handles: dict[int, int] = {}
         self._next_fh = 1
+        self.initialized = trio.Event()
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -177,7 +178,9 @@ class Operations(pyfuse3.Operations):
     # --- lifecycle -------------------------------------------------------------------------
 
     def init(self) -> None:
+        """FUSE_INIT answered: the kernel's connection settings are fixed from here on."""
         log.info("tierfs serving requests")
+        self.initialized.set()
 
     @handler
     async def forget(self, inode_list) -> None:
@@ -318,7 +321,7 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def read(self, fh, off, size):
-        return self.blockio.read(self.handles[fh].of, off, size)
+        return await self.blockio.read(self.handles[fh].of, off, size)
 
     @handler
     async def write(self, fh, off, buf):
