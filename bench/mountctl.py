@@ -102,11 +102,17 @@ class TierfsMount:
         self.timeout = timeout
         self.process: subprocess.Popen | None = None
         self.unmounted = False
+        self.mkfs_output = ""
         self._reported = False
 
     @property
     def pid(self) -> int:
         return self.process.pid
+
+    @property
+    def exit_status(self) -> int | None:
+        """The daemon's exit status; None while it runs or if it never started."""
+        return None if self.process is None else self.process.poll()
 
     def start(self) -> None:
         """Makes the filesystem, starts the daemon and waits until the mount answers.
@@ -158,6 +164,8 @@ class TierfsMount:
 
     def unmount(self) -> None:
         """Unmounts with fusermount3 and waits for the daemon; signals only as a last resort."""
+        if self.unmounted:
+            return
         if self.process is None:
             self.unmounted = not is_mounted(self.mnt)
             return
@@ -192,6 +200,7 @@ class TierfsMount:
         if done.returncode != 0:
             raise SetupError(f"{' '.join(command)} failed with status {done.returncode}:\n"
                              f"{done.stdout}{done.stderr}".rstrip())
+        self.mkfs_output = done.stdout
 
     def _start(self) -> None:
         command = [find_command("mount.tierfs"), self.data, self.mnt, "-f"]
@@ -204,9 +213,11 @@ class TierfsMount:
         while not os.path.ismount(self.mnt):
             code = self.process.poll()
             if code is not None:
+                self._reported = True
                 raise SetupError(f"mount.tierfs exited with status {code} before mounting "
                                  f"{self.mnt}:\n{self.log_tail()}")
             if time.monotonic() > deadline:
+                self._reported = True
                 raise SetupError(f"{self.mnt} not mounted {self.timeout:.0f} s after starting "
                                  f"mount.tierfs (pid {self.pid}):\n{self.log_tail()}")
             time.sleep(0.05)

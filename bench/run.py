@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import subprocess
@@ -140,14 +141,15 @@ def bench_tierfs(args: argparse.Namespace, sizes: Sizes, progress: Progress,
     workdir, created = make_workdir(args.workdir)
     backing, data, mnt = (os.path.join(workdir, name) for name in ("backing", "data", "mnt"))
     meta.update(workdir=workdir, fs_type=fs_type(workdir))
-    check_space(workdir, 2 * sizes.file_bytes)
-    os.mkdir(backing)
     mount = TierfsMount(data, mnt, os.path.join(workdir, "daemon.log"),
                         mkfs_options(args), args.mount_timeout)
     sampler = None
     try:
+        check_space(workdir, 2 * sizes.file_bytes)
+        os.mkdir(backing)
         print(f"making and mounting tierfs in {workdir}", file=sys.stderr, flush=True)
         mount.start()
+        meta.update(mkfs_settings(mount.mkfs_output))
         sampler = RssSampler(mount.pid)
         sampler.start()
         meta["statvfs"] = {"backing": statvfs_json(backing), "tierfs": statvfs_json(mnt)}
@@ -159,7 +161,7 @@ def bench_tierfs(args: argparse.Namespace, sizes: Sizes, progress: Progress,
             if sampler is not None:
                 record_memory(results, meta, sampler)
             mount.unmount()
-            meta["daemon_exit_status"] = mount.process and mount.process.returncode
+            meta["daemon_exit_status"] = mount.exit_status
             clean_up(workdir, created, [backing, data, mnt], args.keep, mount.unmounted)
 
 
@@ -193,6 +195,18 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.2f} ms"
 
 
+def mkfs_settings(output: str) -> dict:
+    """The block size and bytes per checksum that ``tierfs mkfs`` says it chose, for the JSON
+    (the defaults are tierfs's, so the run records what it actually measured)."""
+    settings = {}
+    phrases = {"block_size": "block size", "bytes_per_checksum": "bytes per checksum"}
+    for key, phrase in phrases.items():
+        found = re.search(rf"\b{phrase} (\d+)", output)
+        if found:
+            settings[key] = int(found.group(1))
+    return settings
+
+
 def mkfs_options(args: argparse.Namespace) -> list[str]:
     options = []
     if args.block_size:
@@ -212,18 +226,16 @@ def make_workdir(path: str | None) -> tuple[str, bool]:
     ratios meaningless.
     """
     if path is None:
-        base = default_base()
-        return tempfile.mkdtemp(prefix="tierfs-bench-", dir=base), True
-    if fs_type(path if os.path.exists(path) else os.path.dirname(os.path.abspath(path))) \
-            in MEMORY_FILESYSTEMS:
-        print(f"warning: {path} is in memory (tmpfs); ratios will not mean much",
+        return tempfile.mkdtemp(prefix="tierfs-bench-", dir=default_base()), True
+    created = not os.path.exists(path)
+    if created:
+        os.makedirs(path)
+    elif os.listdir(path):
+        raise SetupError(f"--workdir {path} is not empty")
+    if fs_type(path) in MEMORY_FILESYSTEMS:
+        print(f"warning: {path} is in memory ({fs_type(path)}); the ratios will mean little",
               file=sys.stderr)
-    if os.path.exists(path):
-        if os.listdir(path):
-            raise SetupError(f"--workdir {path} is not empty")
-        return path, False
-    os.makedirs(path)
-    return path, True
+    return path, created
 
 
 def default_base() -> str:

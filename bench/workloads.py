@@ -119,6 +119,17 @@ def rate(name: str, count: float, seconds: float) -> Figure:
     return Figure(name, count / seconds, seconds, count)
 
 
+class PageCache:
+    """How often this run has emptied the page cache.
+
+    The cache is the machine's, shared by every directory under test: a cold read on the
+    mount also makes the backing directory's big file cold again, so "read since the last
+    drop" is the only reliable sign that a file is cached.
+    """
+
+    drops = 0
+
+
 @dataclass
 class Workspace:
     """One directory under test: its scratch area and what earlier workloads left there.
@@ -133,7 +144,7 @@ class Workspace:
     progress: Progress
     flush_paths: tuple[str, ...] = ()
     big_file: str | None = None
-    big_file_cached: bool = False
+    big_file_read_at: int | None = None  # PageCache.drops when last read in full
     many: list[str] | None = None
     _serial: int = 0
 
@@ -224,7 +235,7 @@ def _write_big_file(ws: Workspace, path: str) -> float:
     sizes = ws.sizes
     data = pattern(sizes.chunk_bytes)
     chunks = range(sizes.file_bytes // sizes.chunk_bytes)
-    ws.big_file, ws.big_file_cached = None, False
+    ws.big_file, ws.big_file_read_at = None, None
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         start = perf_counter()
@@ -257,7 +268,7 @@ def _read_big_file(ws: Workspace) -> float:
         os.close(fd)
     if got != sizes.file_bytes:
         raise BenchError(f"read {got} bytes of {ws.big_file}, expected {sizes.file_bytes}")
-    ws.big_file_cached = True
+    ws.big_file_read_at = PageCache.drops
     return seconds
 
 
@@ -271,7 +282,7 @@ def _ensure_big_file(ws: Workspace) -> None:
 def _ensure_big_file_cached(ws: Workspace) -> None:
     """Reads the big file once (the warm-up) unless it was read since the caches were dropped."""
     _ensure_big_file(ws)
-    if not ws.big_file_cached:
+    if ws.big_file_read_at != PageCache.drops:
         with ws.progress.stage("warm-up read"):
             _read_big_file(ws)
 
@@ -511,6 +522,7 @@ def drop_caches(paths: tuple[str, ...]) -> None:
             control.write("3\n")
     except OSError as e:
         raise SkipWorkload(f"cannot drop the page cache: {e}") from e
+    PageCache.drops += 1
 
 
 def _syncfs(path: str) -> None:
