@@ -59,6 +59,7 @@ class OpenFile:
     blocks: dict[int, BlockRecord]
     users: int = 0
     writers: int = 0
+    leased: bool = False  # a lease is taken at the first change, not at open
     attrs_dirty: bool = False
     replicas: dict[int, list[Replica]] = field(default_factory=dict)
     writable: set[int] = field(default_factory=set)   # block indexes opened for writing
@@ -86,31 +87,32 @@ class BlockIO:
     # --- open and close ---------------------------------------------------------------------
 
     def acquire(self, ino: int, *, writer: bool) -> OpenFile:
-        """Open state of ``ino`` for one more user; a first writer takes the lease."""
+        """Open state of ``ino`` for one more user."""
         of = self.files.get(ino)
         if of is None:
             inode = self.ns.get_inode(ino)
             of = OpenFile(ino, inode.size, inode.atime_ns, inode.mtime_ns, inode.ctime_ns,
                           self.ns.get_blocks(ino))
             self.files[ino] = of
-        if writer and of.writers == 0:
-            try:
-                self.ns.take_lease(ino, self.session, time.time_ns())
-            except BaseException:
-                if of.users == 0:
-                    del self.files[ino]
-                raise
         of.users += 1
         of.writers += int(writer)
         return of
+
+    def _lease(self, of: OpenFile) -> None:
+        """The first change of a write session takes the lease (seed 002): from here a
+        crash leaves a lease that the next mount recovers. A file opened for writing but
+        never changed needs no recovery, so open and close cost no lease transactions."""
+        if not of.leased:
+            self.ns.take_lease(of.ino, self.session, time.time_ns())
+            of.leased = True
 
     def release(self, of: OpenFile, *, writer: bool) -> None:
         """One user is done; the last writer persists and drops the lease."""
         of.users -= 1
         of.writers -= int(writer)
-        last_writer = writer and of.writers == 0
-        if last_writer:
+        if writer and of.writers == 0 and of.leased:
             self.persist(of, drop_lease=True)
+            of.leased = False
             of.bumped.clear()
         elif of.attrs_dirty or of.dirty:
             self.persist(of)
@@ -239,6 +241,7 @@ class BlockIO:
 
     def write(self, of: OpenFile, offset: int, data) -> int:
         """Write ``data`` at ``offset``; returns the byte count (all or an error)."""
+        self._lease(of)
         view = memoryview(data)
         total = len(view)
         pos = 0
@@ -318,6 +321,7 @@ class BlockIO:
     async def truncate(self, of: OpenFile, new_size: int) -> None:
         """Shrink (drop whole blocks, cut the last under a new GS) or grow (a hole)."""
         async with of.lock:
+            self._lease(of)
             now = time.time_ns()
             if new_size < of.size:
                 self._shrink(of, new_size, now)

@@ -368,22 +368,33 @@ class Namespace:
         return inherited.RenameMode(self.config.rename_mode)
 
     def _moved(self, w: _Write, ino: int, new_parent: int) -> list:
-        """Before a rename of ``ino`` into ``new_parent``: its new ops (computed from the
-        chains before anything moves)."""
+        """Before a rename of ``ino`` into ``new_parent``: its new ops, and whether its own
+        value changes (computed from the chains before anything moves)."""
         txn, mode = w.txn, self.rename_mode
-        return [(attr, inherited.op_for_rename(self._ops_chain(txn, ino, attr),
-                                               self._ops_chain(txn, new_parent, attr),
-                                               w.txid, mode))
-                for attr in Inherited.ALL]
+        plans = []
+        for attr in Inherited.ALL:
+            old_chain = self._ops_chain(txn, ino, attr)
+            parent_chain = self._ops_chain(txn, new_parent, attr)
+            op = inherited.op_for_rename(old_chain, parent_chain, w.txid, mode)
+            changed = (inherited.resolve(old_chain, mode).value
+                       != inherited.resolve([op] + parent_chain, mode).value)
+            plans.append((attr, op, changed))
+        return plans
 
-    def _apply_moved(self, w: _Write, ino: int, plans: list) -> None:
-        """Store the moved inode's ops. A rename-affected move can change the value of any
-        inode below it (not only its own), and the subtree cannot be inspected in O(1), so
-        the satisfier always gets the subtree; a keep-mode move changes no value."""
-        for attr, op in plans:
-            self._put_op(w.txn, ino, attr, op)
-        if self.rename_mode is inherited.RenameMode.FOLLOW:
-            self._index_subtree(w, ino, SatisfyReason.RENAME)
+    def _apply_moved(self, w: _Write, inode: Inode, plans: list) -> None:
+        """Store the moved inode's ops and tell the satisfier about the subtree.
+
+        A rename-affected move of a directory can change the value of any inode below it,
+        even when the directory's own value stays, and the subtree cannot be inspected in
+        O(1): it is always indexed. A file's subtree is itself: indexed when its value
+        changes. A keep-mode move changes no value.
+        """
+        for attr, op, _ in plans:
+            self._put_op(w.txn, inode.ino, attr, op)
+        if self.rename_mode is not inherited.RenameMode.FOLLOW:
+            return
+        if stat.S_ISDIR(inode.mode) or any(changed for _, _, changed in plans):
+            self._index_subtree(w, inode.ino, SatisfyReason.RENAME)
 
     # --- reads ------------------------------------------------------------------------------
 
@@ -637,8 +648,8 @@ class Namespace:
                     self._check_not_inside(txn, dst.ino, old_parent)
                 plans = (self._moved(w, src.ino, new_parent), self._moved(w, dst.ino, old_parent))
                 self._exchange(txn, src_dir, old_name, src, dst_dir, new_name, dst, now_ns)
-                self._apply_moved(w, src.ino, plans[0])
-                self._apply_moved(w, dst.ino, plans[1])
+                self._apply_moved(w, src, plans[0])
+                self._apply_moved(w, dst, plans[1])
                 return None
             if dst is not None and noreplace:
                 raise FsError(errno.EEXIST, f"{new_name!r} exists")
@@ -652,7 +663,7 @@ class Namespace:
             plans = self._moved(w, src.ino, new_parent)
             self._remove_dentry(txn, old_parent, old_name)
             self._add_dentry(txn, dst_dir, new_name, src.ino)
-            self._apply_moved(w, src.ino, plans)
+            self._apply_moved(w, src, plans)
             if stat.S_ISDIR(src.mode) and dst_dir is not src_dir:
                 src_dir.nlink -= 1
                 dst_dir.nlink += 1
@@ -774,10 +785,12 @@ class Namespace:
             else:
                 op = inherited.op_for_set(chain, value, w.txid, mode)
             self._put_op(txn, ino, attr, op)
-            # Descendants with older settings of their own change too, even when this
-            # inode's value does not: the satisfier always gets the subtree.
-            self._index_subtree(w, ino, SatisfyReason.UNSET if value is None
-                                else SatisfyReason.SET)
+            # Below a directory, inodes with older settings of their own change too, even
+            # when the directory's value does not: the satisfier always gets the subtree.
+            if stat.S_ISDIR(inode.mode) or (inherited.resolve(chain, mode).value
+                                            != inherited.resolve([op] + chain[1:], mode).value):
+                self._index_subtree(w, ino, SatisfyReason.UNSET if value is None
+                                    else SatisfyReason.SET)
             inode.ctime_ns = now_ns
             self._put_inode(txn, inode)
 
