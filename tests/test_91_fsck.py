@@ -1,0 +1,614 @@
+"""``tierfs fsck``: real filesystems, written through real mounts, damaged on purpose.
+
+Two filesystems are made once per module with ``tierfs mkfs`` and filled through a real
+``mount.tierfs``: a plain one (default layout, replication 1) and a replicated one (two DISK
+volumes, replication 2). Each test damages a private copy of one of them (volume files
+directly, or the namespace with the ``lmdb`` module), then checks that fsck reports exactly
+that problem (exit 1), that ``--repair`` fixes it (exit 1: problems were found) and that a
+second fsck exits 0. Most runs call the CLI entry point in-process (the same code as the
+console script, without a Python start-up per run); the exit-code, output-format and
+mounted cases run the installed ``tierfs`` in a subprocess and check that no traceback
+reaches stderr.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import shutil
+import stat
+from contextlib import contextmanager
+from pathlib import Path
+
+import lmdb
+import pytest
+
+from tierfs.backends.volume_set import VolumeSet
+from tierfs.fs import schema
+from tierfs.fs.mountlock import MountLock
+from tierfs.fs.namespace import Namespace
+from tierfs.fs.schema import ROOT_INO, Inode, u64
+from tierfs.tools import cli
+from tierfs.tools.fsck import Fsck, Progress
+
+from tests.conftest import Mount, run_tool
+
+KIND = re.compile(r"^([A-Z][A-Z_]+): ", re.MULTILINE)
+BIG = os.urandom(2_500_000)      # three 1 MiB blocks, the last one partial
+SUMMARY_LABELS = ("Status", "Total size", "Total dirs", "Total files", "Total symlinks",
+                  "Total blocks (validated)", "Minimally replicated blocks",
+                  "Under-replicated blocks", "Corrupt blocks", "Missing replicas",
+                  "Orphan replicas", "Default replication factor",
+                  "Average block replication", "Number of volumes")
+
+
+# --------------------------------------------------------------------------- templates
+
+
+def _make_template(base: Path, mkfs_args: list[str], populate) -> Path:
+    data = base / "data"
+    run_tool("mkfs", str(data), "--block-size", "1M", *mkfs_args)
+    mount = Mount(data, base / "mnt").start()
+    try:
+        populate(mount.mountpoint)
+    finally:
+        mount.stop()
+    assert not mount.errors_logged(), mount.log_text()
+    return data
+
+
+def _populate_plain(mnt: Path) -> None:
+    (mnt / "d" / "sub").mkdir(parents=True)
+    (mnt / "d" / "f").write_bytes(b"hello\n")
+    (mnt / "d" / "empty").touch()
+    os.link(mnt / "d" / "f", mnt / "h")
+    os.symlink("d/f", mnt / "s")
+    (mnt / "big").write_bytes(BIG)
+    (mnt / "x").write_bytes(b"x" * 10_000)
+
+
+def _populate_replicated(mnt: Path) -> None:
+    (mnt / "f").write_bytes(BIG)
+    (mnt / "g").write_bytes(b"g" * 5000)
+
+
+@pytest.fixture(scope="module")
+def plain_template(tmp_path_factory) -> Path:
+    return _make_template(tmp_path_factory.mktemp("plain"), [], _populate_plain)
+
+
+@pytest.fixture(scope="module")
+def replicated_template(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("replicated")
+    volumes = [f"--volume={t}:{base / 'data' / n}" for t, n in
+               (("DISK", "d1"), ("DISK", "d2"), ("SSD", "s1"))]
+    return _make_template(base, ["--replication", "2", *volumes], _populate_replicated)
+
+
+@pytest.fixture
+def plain(plain_template, tmp_path) -> Path:
+    return Path(shutil.copytree(plain_template, tmp_path / "data", symlinks=True))
+
+
+@pytest.fixture
+def replicated(replicated_template, tmp_path) -> Path:
+    return Path(shutil.copytree(replicated_template, tmp_path / "data", symlinks=True))
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def fsck(data: Path, *args: str, capsys) -> tuple[int, str, str]:
+    """``tierfs fsck DATA ARGS`` through the CLI entry point, in this process."""
+    capsys.readouterr()
+    code = cli.main(["fsck", str(data), *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def fsck_process(data: Path, *args: str):
+    """``tierfs fsck`` as a user runs it; never a traceback."""
+    result = run_tool("fsck", str(data), *args, check=False)
+    assert "Traceback" not in result.stderr, result.stderr
+    return result
+
+
+def kinds(out: str) -> set[str]:
+    return set(KIND.findall(out)) - {"NOTE"}
+
+
+def assert_repairs(data: Path, expected: set[str], capsys) -> str:
+    """fsck finds exactly ``expected`` (exit 1), --repair fixes all (exit 1, as
+    documented: problems were found), a second fsck exits 0. Returns the repair output."""
+    code, out, _ = fsck(data, capsys=capsys)
+    assert (code, kinds(out)) == (1, expected), out
+    assert "Status: CORRUPT" in out and out.rstrip().endswith("is CORRUPT")
+    code, repaired, _ = fsck(data, "--repair", capsys=capsys)
+    assert code == 1, repaired
+    assert "not repaired" not in repaired, repaired
+    assert repaired.rstrip().endswith("is HEALTHY"), repaired
+    code, out, _ = fsck(data, capsys=capsys)
+    assert code == 0, out
+    assert kinds(out) == set() and out.rstrip().endswith("is HEALTHY")
+    return repaired
+
+
+def inode_at(data: Path, path: str) -> Inode:
+    ns = Namespace.open(data / "namespace", readonly=True)
+    try:
+        ino = ROOT_INO
+        for part in [p for p in path.split("/") if p]:
+            ino = ns.lookup(ino, part.encode()).ino
+        return ns.get_inode(ino)
+    finally:
+        ns.close()
+
+
+def blocks_at(data: Path, path: str) -> dict:
+    ino = inode_at(data, path).ino
+    ns = Namespace.open(data / "namespace", readonly=True)
+    try:
+        return ns.get_blocks(ino)
+    finally:
+        ns.close()
+
+
+def replica_files(volume: Path, block_id: int) -> tuple[Path, Path]:
+    """(data file, meta file) of a block on a volume directory."""
+    data = next(volume.rglob(f"blk_{block_id}"))
+    meta = next(volume.rglob(f"blk_{block_id}_*.meta"))
+    return data, meta
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@contextmanager
+def namespace_rows(data: Path):
+    """A raw LMDB write transaction on the namespace: ``db(name)`` opens a database."""
+    env = lmdb.open(str(data / "namespace"), max_dbs=len(schema.DATABASES) + 2,
+                    map_size=1 << 30, subdir=True)
+    try:
+        with env.begin(write=True) as txn:
+            yield (lambda name: env.open_db(name.encode(), txn=txn)), txn
+    finally:
+        env.close()
+
+
+def rewrite_inode(data: Path, path: str, **fields) -> Inode:
+    inode = inode_at(data, path)
+    for name, value in fields.items():
+        setattr(inode, name, value)
+    with namespace_rows(data) as (db, txn):
+        txn.put(u64(inode.ino), inode.pack(), db=db("inodes"))
+    return inode
+
+
+# --------------------------------------------------------------------------- healthy
+
+
+def test_healthy_filesystem_summary(plain):
+    result = fsck_process(plain)
+    assert result.returncode == 0, result.stdout
+    lines = result.stdout.splitlines()
+    for label in SUMMARY_LABELS:
+        assert any(line.strip().startswith(label + ":") for line in lines), label
+    assert "Status: HEALTHY" in lines
+    assert lines[-1] == "The filesystem under path '/' is HEALTHY"
+    stats = dict(line.strip().split(":\t", 1) for line in lines if ":\t" in line)
+    assert stats["Total dirs"] == "3"            # /, /d, /d/sub
+    assert stats["Total files"] == "4"           # /d/f (also /h), /d/empty, /big, /x
+    assert stats["Total symlinks"] == "1"
+    assert stats["Total size"] == f"{6 + len(BIG) + 10_000} B"
+    assert stats["Total blocks (validated)"].startswith("5 ")
+    assert stats["Corrupt blocks"] == "0" and stats["Orphan replicas"] == "0"
+    assert stats["Number of volumes"] == "3"
+    assert kinds(result.stdout) == set()
+
+
+def test_library_check_and_repair_of_healthy_filesystem(plain):
+    report = Fsck(plain).check()
+    assert report.healthy and not report.mounted
+    assert (report.stats.files, report.stats.blocks, report.stats.corrupt_blocks) == (4, 5, 0)
+    result = Fsck(plain).repair()
+    assert result.exit_code == 0 and result.after.healthy and not result.problems
+
+
+def test_files_blocks_locations_listing(replicated, replicated_template):
+    volumes = {p.name: p for p in (replicated / "d1", replicated / "d2")}
+    files = fsck_process(replicated, "--files").stdout
+    assert re.search(r"^/f 2500000 bytes, replication=2, 3 block\(s\):  OK$", files, re.M)
+    assert re.search(r"^/g 5000 bytes, replication=2, 1 block\(s\):  OK$", files, re.M)
+    assert "blk_" not in files
+    blocks = fsck_process(replicated, "--files", "--blocks").stdout
+    block_lines = re.findall(r"^(\d+)\. blk_(\d+)_(\d+) len=(\d+) Live_repl=(\d+)$", blocks,
+                             re.M)
+    assert [(i, n, r) for i, _, _, n, r in block_lines] == [
+        ("0", "1048576", "2"), ("1", "1048576", "2"), ("2", "402848", "2"), ("0", "5000", "2")]
+    located = fsck_process(replicated, "--files", "--blocks", "--locations").stdout
+    replica = re.compile(r"\[([^,\]]+),([0-9a-f-]{36}),([A-Z_]+)\]")
+    for line in located.splitlines():
+        if re.match(r"^\d+\. blk_", line):
+            found = replica.findall(line)
+            assert {Path(p).name for p, _, _ in found} == set(volumes), line
+            assert {t for _, _, t in found} == {"DISK"}
+            assert all(Path(p).is_absolute() for p, _, _ in found)
+
+
+def test_path_limits_the_file_checks(plain, capsys):
+    code, out, _ = fsck(plain, "/d", "--files", capsys=capsys)
+    assert code == 0
+    assert re.search(r"^/d/f 6 bytes", out, re.M) and "/big" not in out
+    assert out.rstrip().endswith("The filesystem under path '/d' is HEALTHY")
+    code, out, _ = fsck(plain, "/d/f", "--files", "--blocks", capsys=capsys)
+    assert code == 0 and re.search(r"^0\. blk_\d+_\d+ len=6 Live_repl=1$", out, re.M)
+    flip_byte(replica_files(plain / "disk", blocks_at(plain, "/big")[0].block_id)[0], 5)
+    assert fsck(plain, "/d", capsys=capsys)[0] == 0      # damage outside the subtree
+    assert fsck(plain, "/big", capsys=capsys)[0] == 1
+
+
+# --------------------------------------------------------------------------- volumes
+
+
+def test_flipped_byte_dropped_when_another_replica_is_good(replicated, capsys):
+    rec = blocks_at(replicated, "/f")[1]
+    data_file, meta_file = replica_files(replicated / "d1", rec.block_id)
+    flip_byte(data_file, 3 * 4096 + 17)
+    code, out, _ = fsck(replicated, capsys=capsys)
+    assert re.search(rf"CORRUPT_REPLICA: /f: replica blk_{rec.block_id}_{rec.gs} on "
+                     rf"{re.escape(str(replicated / 'd1'))}: checksum mismatch in "
+                     r"chunk\(s\) 3$", out, re.M), out
+    repaired = assert_repairs(replicated, {"CORRUPT_REPLICA"}, capsys)
+    assert "[repaired: replica dropped, files deleted]" in repaired
+    assert not data_file.exists() and not meta_file.exists()
+    assert blocks_at(replicated, "/f")[1].volumes == tuple(
+        v for v in rec.volumes if v != 1)
+    code, out, _ = fsck(replicated, capsys=capsys)
+    assert "Under-replicated blocks:\t1 " in out       # healthy: the satisfier's job
+
+
+def test_flipped_byte_in_only_replica_is_a_lost_block(plain, capsys):
+    rec = blocks_at(plain, "/x")[0]
+    data_file, _ = replica_files(plain / "disk", rec.block_id)
+    flip_byte(data_file, 9000)
+    code, out, _ = fsck(plain, capsys=capsys)
+    assert (code, kinds(out)) == (1, {"CORRUPT_REPLICA", "LOST_BLOCK"}), out
+    assert "chunk(s) 2 (no other good replica: kept)" in out
+    assert "Corrupt blocks:\t1" in out
+    code, out, _ = fsck(plain, "--repair", capsys=capsys)
+    assert code == 1 and out.rstrip().endswith("is CORRUPT")
+    assert data_file.exists()                              # nothing salvageable destroyed
+    assert blocks_at(plain, "/x")[0] == rec                # reads give EIO, record kept
+    code, out, _ = fsck(plain, capsys=capsys)
+    assert (code, kinds(out)) == (1, {"CORRUPT_REPLICA", "LOST_BLOCK"})
+
+
+@pytest.mark.parametrize("which", ["data", "meta"])
+def test_missing_replica_file(replicated, which, capsys):
+    rec = blocks_at(replicated, "/g")[0]
+    data_file, meta_file = replica_files(replicated / "d2", rec.block_id)
+    (data_file if which == "data" else meta_file).unlink()
+    code, out, _ = fsck(replicated, capsys=capsys)
+    assert f"{which} file missing" in out and "Missing replicas:\t1 " in out
+    assert_repairs(replicated, {"MISSING_REPLICA"}, capsys)
+    assert not data_file.exists() and not meta_file.exists()
+
+
+def test_stray_block_file_is_an_orphan_replica(plain, capsys):
+    leaf = replica_files(plain / "disk", blocks_at(plain, "/x")[0].block_id)[0].parent
+    stray = [leaf / "blk_1073742000", leaf / "blk_1073742000_1500.meta"]
+    for path in stray:
+        path.write_bytes(b"junk")
+    code, out, _ = fsck(plain, capsys=capsys)
+    assert "blk_1073742000: unknown block" in out and "Orphan replicas:\t1" in out
+    assert_repairs(plain, {"ORPHAN_REPLICA"}, capsys)
+    assert not any(p.exists() for p in stray)
+
+
+def test_replica_on_a_volume_the_block_is_not_recorded_on(replicated, capsys):
+    rec = blocks_at(replicated, "/g")[0]
+    for path in replica_files(replicated / "d1", rec.block_id):
+        target = replicated / "s1" / path.relative_to(replicated / "d1")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, target)
+    code, out, _ = fsck(replicated, capsys=capsys)
+    assert f"blk_{rec.block_id}: not recorded on this volume" in out
+    assert_repairs(replicated, {"ORPHAN_REPLICA"}, capsys)
+    assert not list((replicated / "s1").rglob("blk_*"))
+
+
+def test_stale_meta_file_beside_a_good_replica(plain, capsys):
+    rec = blocks_at(plain, "/x")[0]
+    data_file, meta_file = replica_files(plain / "disk", rec.block_id)
+    stale = meta_file.with_name(f"blk_{rec.block_id}_{rec.gs - 1}.meta")
+    shutil.copy(meta_file, stale)
+    code, out, _ = fsck(plain, capsys=capsys)
+    assert f"generation stamp {rec.gs - 1}, the namespace has {rec.gs}" in out
+    assert_repairs(plain, {"STALE_META"}, capsys)
+    assert not stale.exists() and data_file.exists() and meta_file.exists()
+
+
+def test_stale_replica_dropped_when_another_is_current(replicated, capsys):
+    rec = blocks_at(replicated, "/g")[0]
+    _, meta_file = replica_files(replicated / "d2", rec.block_id)
+    meta_file.rename(meta_file.with_name(f"blk_{rec.block_id}_{rec.gs - 1}.meta"))
+    code, out, _ = fsck(replicated, capsys=capsys)
+    assert f"generation stamp {rec.gs - 1} is older than the namespace's {rec.gs}" in out
+    assert_repairs(replicated, {"STALE_REPLICA"}, capsys)
+
+
+def test_short_replica_has_wrong_length(replicated, capsys):
+    rec = blocks_at(replicated, "/f")[0]
+    data_file, _ = replica_files(replicated / "d2", rec.block_id)
+    os.truncate(data_file, rec.length - 4096)
+    code, out, _ = fsck(replicated, capsys=capsys)
+    assert "but its checksums cover 256 chunks" in out
+    assert_repairs(replicated, {"WRONG_LENGTH"}, capsys)
+
+
+def test_long_replica_is_cut_to_the_recorded_length(plain, capsys):
+    rec = blocks_at(plain, "/x")[0]
+    ns = Namespace.open(plain / "namespace", readonly=True)
+    try:
+        volume = VolumeSet.open(plain, ns.config.fs_uuid, ns.config.volumes).get(2)
+    finally:
+        ns.close()
+    with volume.open_replica(rec.block_id, rec.gs, writable=True) as replica:
+        replica.write(rec.length, b"never acknowledged")
+    code, out, _ = fsck(plain, capsys=capsys)
+    assert f"data file is {rec.length + 18} bytes, the block is {rec.length}" in out
+    repaired = assert_repairs(plain, {"WRONG_LENGTH"}, capsys)
+    assert f"replica cut to {rec.length} bytes" in repaired
+    assert volume.data_path(rec.block_id).stat().st_size == rec.length
+
+
+def test_tmp_leftover(plain, capsys):
+    (plain / "ssd" / "tmp" / "blk_99.copy").write_bytes(b"half a move")
+    assert_repairs(plain, {"TMP_LEFTOVER"}, capsys)
+    assert not list((plain / "ssd" / "tmp").iterdir())
+
+
+def test_pending_trash(plain, capsys):
+    rec = blocks_at(plain, "/x")[0]
+    leaf = replica_files(plain / "disk", rec.block_id)[0].parent
+    files = [leaf / "blk_1073742001", leaf / f"blk_1073742001_{rec.gs}.meta"]
+    for path in files:
+        path.write_bytes(b"dropped")
+    with namespace_rows(plain) as (db, txn):
+        txn.put(u64(1073742001), schema.trash_value(rec.gs, (2,)), db=db("trash"))
+    code, out, _ = fsck(plain, capsys=capsys)
+    assert "Orphan replicas:\t0" in out       # trashed files are not orphans
+    assert_repairs(plain, {"TRASH_PENDING"}, capsys)
+    assert not any(p.exists() for p in files)
+
+
+# --------------------------------------------------------------------------- namespace
+
+
+def test_deleted_dentry_sends_the_file_to_lost_and_found(plain, tmp_path, capsys):
+    ino = inode_at(plain, "/x").ino
+    with namespace_rows(plain) as (db, txn):
+        assert txn.delete(schema.dentry_key(ROOT_INO, b"x"), db=db("dentries"))
+    code, out, _ = fsck(plain, capsys=capsys)
+    assert f"NAMELESS_INODE: <inode {ino}>: inode with nlink 1 is named by no dentry" in out
+    repaired = assert_repairs(plain, {"NAMELESS_INODE", "STRAY_COOKIE", "STRAY_BACKLINK"},
+                              capsys)
+    assert f"moved to /lost+found/#{ino}" in repaired
+    mount = Mount(plain, tmp_path / "mnt").start()
+    try:
+        assert (mount.mountpoint / "lost+found" / f"#{ino}").read_bytes() == b"x" * 10_000
+        assert not (mount.mountpoint / "x").exists()
+    finally:
+        mount.stop()
+    assert fsck_process(plain).returncode == 0
+
+
+def test_dangling_dentry(plain, capsys):
+    ino = inode_at(plain, "/d/empty").ino
+    with namespace_rows(plain) as (db, txn):
+        txn.delete(u64(ino), db=db("inodes"))
+    code, out, _ = fsck(plain, capsys=capsys)
+    assert f"DANGLING_DENTRY: /d/empty: names inode {ino}, which does not exist" in out
+    assert_repairs(plain, {"DANGLING_DENTRY"}, capsys)
+    with pytest.raises(Exception):
+        inode_at(plain, "/d/empty")
+
+
+def test_wrong_nlink_of_file_and_directory(plain, capsys):
+    rewrite_inode(plain, "/x", nlink=5)
+    rewrite_inode(plain, "/d", nlink=7)
+    code, out, _ = fsck(plain, capsys=capsys)
+    assert "WRONG_NLINK: /x: nlink is 5, expected 1" in out
+    assert "WRONG_NLINK: /d: nlink is 7, expected 3" in out
+    assert_repairs(plain, {"WRONG_NLINK"}, capsys)
+    assert (inode_at(plain, "/x").nlink, inode_at(plain, "/d").nlink) == (1, 3)
+    assert inode_at(plain, "/h").nlink == 2
+
+
+def test_wrong_parent(plain, capsys):
+    rewrite_inode(plain, "/d/sub", parent=ROOT_INO)
+    assert_repairs(plain, {"WRONG_PARENT"}, capsys)
+    assert inode_at(plain, "/d/sub").parent == inode_at(plain, "/d").ino
+
+
+def test_unlinked_inode_not_in_orphans_is_purged(plain, capsys):
+    inode = inode_at(plain, "/x")
+    rec = blocks_at(plain, "/x")[0]
+    with namespace_rows(plain) as (db, txn):
+        _, cookie = schema.parse_dentry_value(
+            txn.get(schema.dentry_key(ROOT_INO, b"x"), db=db("dentries")))
+        txn.delete(schema.dentry_key(ROOT_INO, b"x"), db=db("dentries"))
+        txn.delete(schema.cookie_key(ROOT_INO, cookie), db=db("dircookies"))
+        txn.delete(schema.backlink_key(inode.ino, ROOT_INO, b"x"), db=db("backlinks"))
+        inode.nlink = 0
+        txn.put(u64(inode.ino), inode.pack(), db=db("inodes"))
+    assert_repairs(plain, {"UNLISTED_UNLINKED"}, capsys)
+    assert not list((plain / "disk").rglob(f"blk_{rec.block_id}*"))
+
+
+def test_orphan_row_of_a_linked_inode(plain, capsys):
+    ino = inode_at(plain, "/x").ino
+    with namespace_rows(plain) as (db, txn):
+        txn.put(u64(ino), b"", db=db("orphans"))
+    assert_repairs(plain, {"ORPHAN_LINKED"}, capsys)
+    assert inode_at(plain, "/x").nlink == 1
+
+
+def test_symlink_without_target_is_cleared(plain, capsys):
+    ino = inode_at(plain, "/s").ino
+    with namespace_rows(plain) as (db, txn):
+        txn.delete(u64(ino), db=db("symlinks"))
+    assert_repairs(plain, {"SYMLINK_NO_TARGET"}, capsys)
+    with pytest.raises(Exception):
+        inode_at(plain, "/s")
+
+
+def test_directory_loop_is_broken_into_lost_and_found(plain, capsys):
+    d, sub = inode_at(plain, "/d"), inode_at(plain, "/d/sub")
+    with namespace_rows(plain) as (db, txn):
+        _, cookie = schema.parse_dentry_value(
+            txn.get(schema.dentry_key(ROOT_INO, b"d"), db=db("dentries")))
+        txn.delete(schema.dentry_key(ROOT_INO, b"d"), db=db("dentries"))
+        txn.delete(schema.cookie_key(ROOT_INO, cookie), db=db("dircookies"))
+        txn.delete(schema.backlink_key(d.ino, ROOT_INO, b"d"), db=db("backlinks"))
+        txn.put(schema.dentry_key(sub.ino, b"loop"), schema.dentry_value(d.ino, sub.next_cookie),
+                db=db("dentries"))
+        txn.put(schema.cookie_key(sub.ino, sub.next_cookie), b"loop", db=db("dircookies"))
+        txn.put(schema.backlink_key(d.ino, sub.ino, b"loop"), b"", db=db("backlinks"))
+        sub.next_cookie += 1
+        d.parent = sub.ino
+        txn.put(u64(sub.ino), sub.pack(), db=db("inodes"))
+        txn.put(u64(d.ino), d.pack(), db=db("inodes"))
+    code, out, _ = fsck(plain, capsys=capsys)
+    assert "DIRECTORY_LOOP" in out and "unreachable from the root" in out
+    assert_repairs(plain, {"DIRECTORY_LOOP", "WRONG_NLINK"}, capsys)
+    assert inode_at(plain, f"/lost+found/#{d.ino}/f").size == 6
+    assert inode_at(plain, f"/lost+found/#{d.ino}/sub").ino == sub.ino
+
+
+def test_replicas_index_row_missing(plain, capsys):
+    rec = blocks_at(plain, "/big")[2]
+    with namespace_rows(plain) as (db, txn):
+        txn.delete(schema.replica_key(rec.volumes[0], rec.block_id), db=db("replicas"))
+    assert_repairs(plain, {"REPLICA_INDEX"}, capsys)
+
+
+def test_counters_behind(plain, capsys):
+    with namespace_rows(plain) as (db, txn):
+        txn.put(b"next_ino", u64(2), db=db("meta"))
+        txn.put(b"gs", u64(1000), db=db("meta"))
+    code, out, _ = fsck(plain, capsys=capsys)
+    assert "next_ino is 2, must be at least" in out and "gs is 1000, must be at least" in out
+    assert_repairs(plain, {"COUNTER_BEHIND"}, capsys)
+
+
+# --------------------------------------------------------------------------- crash and mount
+
+
+def test_lease_left_by_a_killed_daemon(plain, tmp_path, capsys):
+    payload = os.urandom(300_000)
+    mount = Mount(plain, tmp_path / "mnt").start()
+    f = open(mount.mountpoint / "w", "wb")
+    f.write(payload)
+    f.flush()
+    os.fsync(f.fileno())
+    mount.kill()
+    try:
+        f.close()
+    except OSError:
+        pass           # the daemon is gone; the kernel may report it
+    code, out, _ = fsck(plain, capsys=capsys)
+    assert {"LEASE_PENDING", "UNCLEAN_STATE"} <= kinds(out), out
+    assert "/w: lease left by a dead daemon" in out
+    code, out, _ = fsck(plain, "--repair", capsys=capsys)
+    assert code == 1 and out.rstrip().endswith("is HEALTHY"), out
+    assert fsck_process(plain).returncode == 0
+    mount = Mount(plain, tmp_path / "mnt").start()
+    try:
+        assert (mount.mountpoint / "w").read_bytes() == payload
+    finally:
+        mount.stop()
+
+
+def test_check_beside_a_mount_and_repair_refused(mounted):
+    mnt = mounted.mountpoint
+    (mnt / "done").write_bytes(b"closed file")
+    with open(mnt / "open", "wb") as writer:
+        writer.write(b"still being written")
+        writer.flush()
+        result = fsck_process(mounted.data)
+        assert result.returncode == 0, result.stdout
+        assert "NOTE: /open: open for writing (lease held)" in result.stdout
+        refused = fsck_process(mounted.data, "--repair")
+        assert refused.returncode == 2
+        assert refused.stdout == ""
+        assert len(refused.stderr.splitlines()) == 1
+        assert "is mounted" in refused.stderr and "unmount it before" in refused.stderr
+    assert (mnt / "open").read_bytes() == b"still being written"
+
+
+# --------------------------------------------------------------------------- cannot run
+
+
+def test_not_a_tierfs_filesystem(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for target in (tmp_path / "empty", tmp_path / "nowhere"):
+        result = fsck_process(target)
+        assert result.returncode == 2 and result.stdout == ""
+        assert len(result.stderr.splitlines()) == 1, result.stderr
+        assert str(target) in result.stderr
+
+
+def test_missing_or_foreign_volume(plain, tmp_path):
+    shutil.rmtree(plain / "archive")
+    result = fsck_process(plain)
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert "archive" in result.stderr and "missing" in result.stderr
+    run_tool("mkfs", str(tmp_path / "other"))
+    shutil.copytree(tmp_path / "other" / "archive", plain / "archive")
+    result = fsck_process(plain)
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert "belongs to another tierfs filesystem" in result.stderr
+
+
+def test_path_that_does_not_exist(plain):
+    result = fsck_process(plain, "/no/such")
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1
+    assert "'/no/such' does not exist" in result.stderr
+
+
+# --------------------------------------------------------------------------- progress
+
+
+def test_status_lines_without_a_terminal():
+    stream = io.StringIO()
+    progress = Progress(stream, tty=False, interval=0)
+    progress.phase("verifying replicas", 200)
+    progress.advance(50)
+    progress.close()
+    assert stream.getvalue() == "tierfs fsck: verifying replicas: 50 of 200 (25%)\n"
+
+
+class _Interrupt(Progress):
+    """Ctrl-C in the middle of reading replicas."""
+
+    def __init__(self):
+        super().__init__(io.StringIO(), tty=False)
+
+    def advance(self, n: int) -> None:
+        raise KeyboardInterrupt
+
+
+def test_interrupted_repair_releases_everything(plain, capsys):
+    flip_byte(replica_files(plain / "disk", blocks_at(plain, "/big")[0].block_id)[0], 1)
+    with pytest.raises(KeyboardInterrupt):
+        Fsck(plain, progress=_Interrupt()).repair()
+    assert MountLock(plain).holder() is None
+    assert fsck(plain, capsys=capsys)[0] == 1
+    assert stat.S_ISDIR(inode_at(plain, "/d").mode)
