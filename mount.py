@@ -27,6 +27,7 @@ import trio
 from tierfs.backends.volume_set import VolumeSet
 from tierfs.fs.blockio import BlockIO
 from tierfs.fs.errors import FsError, UsageError
+from tierfs.fs.lazy_writer import LazyWriter
 from tierfs.fs.mountlock import MountLock
 from tierfs.fs.namespace import Namespace, new_session_id
 from tierfs.fs.operations import Operations, make_statfs
@@ -120,6 +121,8 @@ def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:
         resolver = Resolver(ns)
         blockio = BlockIO(ns, volumes, Placer(volumes, resolver.placement), new_session_id())
         ops = Operations(ns, blockio, make_statfs(volumes, ns), resolver)
+        ops.lazy_writer = LazyWriter(ns, volumes, blockio, resolver)
+        ops.lazy_writer.rebuild()
     except BaseException:
         stack.close()
         raise
@@ -144,6 +147,7 @@ async def serve(ops: Operations, blockio: BlockIO, ns: Namespace, mountpoint: st
         nursery.start_soon(_tick, blockio, ns)
         nursery.start_soon(_signals)
         nursery.start_soon(_tune_after_init, ops, mountpoint)
+        nursery.start_soon(ops.lazy_writer.run)
         await pyfuse3.main()
         nursery.cancel_scope.cancel()
 

@@ -83,6 +83,8 @@ class BlockIO:
         self.block_size = ns.config.block_size
         self.bpc = ns.config.bytes_per_checksum
         self.files: dict[int, OpenFile] = {}
+        # Called with (ino, index) for a new block placed only on transient volumes.
+        self.on_transient_block: Callable[[int, int], None] | None = None
 
     # --- open and close ---------------------------------------------------------------------
 
@@ -121,12 +123,12 @@ class BlockIO:
             del self.files[of.ino]
 
     def close_all(self, of: OpenFile) -> None:
-        self._retire_replicas(of)
+        self.retire_replicas(of)
         for replica in of.retired:
             replica.close()
         of.retired.clear()
 
-    def _retire_replicas(self, of: OpenFile, indexes=None) -> None:
+    def retire_replicas(self, of: OpenFile, indexes=None) -> None:
         for index in list(of.replicas) if indexes is None else indexes:
             of.retired.extend(of.replicas.pop(index, []))
             of.writable.discard(index)
@@ -173,7 +175,7 @@ class BlockIO:
         """Open replicas of a block (fastest storage type first), cached while open."""
         if index in of.replicas and (not writable or index in of.writable):
             return of.replicas[index]
-        self._retire_replicas(of, [index])
+        self.retire_replicas(of, [index])
         rec = of.blocks[index]
         opened = []
         for volume in self.volumes.sorted_for_read(rec.volumes):
@@ -313,6 +315,8 @@ class BlockIO:
             raise
         of.blocks[index] = rec
         of.replicas[index] = sorted(replicas, key=lambda r: int(r.volume.storage_type))
+        if self.on_transient_block and all(v.storage_type.transient for v in volumes):
+            self.on_transient_block(of.ino, index)
         of.writable.add(index)
         of.bumped.add(index)
 
@@ -345,7 +349,7 @@ class BlockIO:
             of.dirty.add(last)
             of.unsynced.add(last)
         dropped = [i for i in of.blocks if i >= keep]
-        self._retire_replicas(of, dropped)
+        self.retire_replicas(of, dropped)
         for index in dropped:
             del of.blocks[index]
             of.dirty.discard(index)

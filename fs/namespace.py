@@ -525,8 +525,14 @@ class Namespace:
     # --- namespace mutations ------------------------------------------------------------------
 
     def make_node(self, parent: int, name: bytes, mode: int, uid: int, gid: int, rdev: int,
-                  now_ns: int, target: bytes | None = None) -> Inode:
-        """Create a file, directory, symlink, FIFO, socket or device node."""
+                  now_ns: int, target: bytes | None = None,
+                  stamp_policy: int | None = None) -> Inode:
+        """Create a file, directory, symlink, FIFO, socket or device node.
+
+        ``stamp_policy``: a copy-on-create policy (LAZY_PERSIST) the new file records as its
+        own, as HDFS stamps it into the file header; not explicit, so listxattr does not
+        show it and ``cp -a`` does not try to set it on a copy.
+        """
         check_name(name)
 
         def body(w: _Write) -> Inode:
@@ -547,7 +553,10 @@ class Namespace:
             self._put_inode(txn, inode)
             if target is not None:
                 txn.put(u64(ino), target, db=self.db["symlinks"])
-            w.args = (parent, name, ino, mode, uid, gid, rdev, target)
+            if stamp_policy is not None:
+                self._put_op(txn, ino, Inherited.POLICY,
+                             inherited.Op(stamp_policy, (w.txid,), w.txid, explicit=False))
+            w.args = (parent, name, ino, mode, uid, gid, rdev, target, stamp_policy)
             return inode
 
         return self._mutate(Op.MKNOD, (), body)
@@ -858,6 +867,37 @@ class Namespace:
                 txn.put(schema.replica_key(vol, rec.block_id), key, db=self.db["replicas"])
 
         self._mutate(Op.ADD_BLOCK, (ino, index, rec.block_id, rec.gs, rec.volumes), body)
+
+    def add_replica(self, ino: int, index: int, block_id: int, gs: int, volume_id: int) -> bool:
+        """Record a copied replica, only if the block is unchanged since the copy began
+        (same block id and GS). False: the copy is stale and must be deleted."""
+
+        def body(w: _Write) -> bool:
+            key = schema.block_key(ino, index)
+            raw = w.txn.get(key, db=self.db["blocks"])
+            if raw is None:
+                return False
+            rec = BlockRecord.unpack(raw)
+            if rec.block_id != block_id or rec.gs != gs or volume_id in rec.volumes:
+                return False
+            rec.volumes = rec.volumes + (volume_id,)
+            w.txn.put(key, rec.pack(), db=self.db["blocks"])
+            w.txn.put(schema.replica_key(volume_id, block_id), key, db=self.db["replicas"])
+            return True
+
+        return self._mutate(Op.SET_REPLICAS, (ino, index, block_id, gs, volume_id), body)
+
+    def blocks_on_volume(self, volume_id: int) -> list[tuple[int, int]]:
+        """(ino, index) of every block with a replica on the volume."""
+        prefix = schema.U32.pack(volume_id)
+        out = []
+        with self.env.begin() as txn, txn.cursor(db=self.db["replicas"]) as cur:
+            if cur.set_range(prefix):
+                for key, value in cur:
+                    if key[:4] != prefix:
+                        break
+                    out.append(schema.split_block_key(value))
+        return out
 
     def set_block_gs(self, ino: int, index: int, gs: int) -> None:
         """Record a block's new generation stamp (its replicas were renamed first)."""

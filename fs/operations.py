@@ -173,7 +173,12 @@ class Operations(pyfuse3.Operations):
               target: bytes | None = None) -> Inode:
         parent_inode = self.ns.get_inode(parent)
         uid, gid, mode = self._new_owner(parent_inode, mode, ctx)
-        return self.ns.make_node(parent, name, mode, uid, gid, rdev, time.time_ns(), target)
+        stamp = None
+        if stat.S_ISREG(mode):
+            policy = self.resolver.policy(parent)
+            stamp = policy.id if policy.copy_on_create_file else None
+        return self.ns.make_node(parent, name, mode, uid, gid, rdev, time.time_ns(), target,
+                                 stamp_policy=stamp)
 
     # --- lifecycle -------------------------------------------------------------------------
 

@@ -59,4 +59,11 @@ class Placer:
 
     def __call__(self, ino: int, nbytes: int) -> list[Volume]:
         policy, replication = self.effective(ino)
+        if policy.copy_on_create_file and replication == 1:
+            # HDFS data-node behaviour for LAZY_PERSIST: the name node asks for DISK (RAM
+            # is transient, never asked for), the data node writes to RAM_DISK when it can;
+            # the lazy writer persists the block to DISK afterwards.
+            ram = self.volumes.pick(StorageType.RAM_DISK, nbytes)
+            if ram is not None:
+                return [ram]
         return choose_volumes(policy, replication, self.volumes, nbytes)

@@ -112,13 +112,20 @@ class PolicyXattrs:
             return "yes"
         policy, replication = self.resolver.placement(ino)
         wanted = Counter(policy.choose_storage_types(replication))
-        misplaced = [types for types in self._replica_types(ino) if Counter(types) != wanted]
+        blocks = self._replica_types(ino)
+        # Transient replicas (RAM_DISK) count for neither side, as in HDFS's Mover.
+        persistent = [tuple(t for t in types if not t.transient) for types in blocks]
+        lazy = sum(1 for types, kept in zip(blocks, persistent) if types and not kept)
+        if lazy:
+            return (f"no: {lazy} of {len(blocks)} blocks only on RAM_DISK, awaiting the lazy "
+                    f"writer")
+        misplaced = [types for types in persistent if Counter(types) != wanted]
         if not misplaced:
             return "yes"
         want = storage_type_summary(policy.choose_storage_types(replication))
         have = storage_type_summary(misplaced[0]) or "no replicas"
-        return (f"no: {len(misplaced)} of {len(self._replica_types(ino))} blocks not "
-                f"placed as {policy.name} wants ({want}; e.g. {have})")
+        return (f"no: {len(misplaced)} of {len(blocks)} blocks not placed as "
+                f"{policy.name} wants ({want}; e.g. {have})")
 
     # --- write -----------------------------------------------------------------------------
 
