@@ -27,12 +27,12 @@ import trio
 from tierfs.backends.volume_set import VolumeSet
 from tierfs.fs.blockio import BlockIO
 from tierfs.fs.errors import FsError, UsageError
-from tierfs.fs.lazy_writer import LazyWriter
 from tierfs.fs.mountlock import MountLock
 from tierfs.fs.namespace import Namespace, new_session_id
 from tierfs.fs.operations import Operations, make_statfs
 from tierfs.fs.placement import Placer
 from tierfs.fs.recovery import delete_trash, recover
+from tierfs.fs.replication import ReplicationMonitor
 from tierfs.fs.resolver import Resolver
 from tierfs.tools import mkfs
 
@@ -121,8 +121,7 @@ def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:
         resolver = Resolver(ns)
         blockio = BlockIO(ns, volumes, Placer(volumes, resolver.placement), new_session_id())
         ops = Operations(ns, blockio, make_statfs(volumes, ns), resolver)
-        ops.lazy_writer = LazyWriter(ns, volumes, blockio, resolver)
-        ops.lazy_writer.rebuild()
+        ops.replication = ReplicationMonitor(ns, volumes, blockio, resolver)
     except BaseException:
         stack.close()
         raise
@@ -147,7 +146,7 @@ async def serve(ops: Operations, blockio: BlockIO, ns: Namespace, mountpoint: st
         nursery.start_soon(_tick, blockio, ns)
         nursery.start_soon(_signals)
         nursery.start_soon(_tune_after_init, ops, mountpoint)
-        nursery.start_soon(ops.lazy_writer.run)
+        nursery.start_soon(ops.replication.run)
         await pyfuse3.main()
         nursery.cancel_scope.cancel()
 

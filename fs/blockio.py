@@ -83,8 +83,11 @@ class BlockIO:
         self.block_size = ns.config.block_size
         self.bpc = ns.config.bytes_per_checksum
         self.files: dict[int, OpenFile] = {}
-        # Called with (ino, index) for a new block placed only on transient volumes.
-        self.on_transient_block: Callable[[int, int], None] | None = None
+        # Told about blocks that need replication work: (ino, index), e.g. a new block
+        # placed only on transient volumes, or a replica dropped from a write pipeline.
+        self.on_needs_replication: Callable[[int, int], None] = lambda ino, index: None
+        # Told about a replica a read could not use: (ino, index, volume id, reason).
+        self.on_bad_replica: Callable[[int, int, int, str], None] = lambda *a: None
 
     # --- open and close ---------------------------------------------------------------------
 
@@ -172,27 +175,50 @@ class BlockIO:
     # --- replicas ------------------------------------------------------------------------------
 
     def _replicas(self, of: OpenFile, index: int, *, writable: bool) -> list[Replica]:
-        """Open replicas of a block (fastest storage type first), cached while open."""
+        """Open replicas of a block (fastest storage type first), cached while open.
+
+        A replica that cannot be opened (missing, stale: its meta file has another GS,
+        unreadable volume) is reported; for writing it is dropped from the pipeline.
+        """
         if index in of.replicas and (not writable or index in of.writable):
             return of.replicas[index]
         self.retire_replicas(of, [index])
         rec = of.blocks[index]
-        opened = []
+        opened, failed = [], []
         for volume in self.volumes.sorted_for_read(rec.volumes):
             try:
                 opened.append(volume.open_replica(rec.block_id, rec.gs, writable=writable))
             except FsError as exc:
                 log.error("replica of block %d on %s unusable: %s", rec.block_id,
                           volume.path, exc)
-                if writable:
-                    for replica in opened:
-                        replica.close()
-                    raise FsError(errno.EIO, f"replica of block {rec.block_id} on "
-                                             f"{volume.path} unusable: {exc}") from None
+                failed.append(volume.id)
+                self.on_bad_replica(of.ino, index, volume.id, str(exc))
         of.replicas[index] = opened
         if writable:
             of.writable.add(index)
+            if failed:
+                self._drop_from_pipeline(of, index, opened, failed)
         return opened
+
+    def _drop_from_pipeline(self, of: OpenFile, index: int, good: list[Replica],
+                            failed: list[int]) -> None:
+        """Replicas failed during a write: the survivors get a new GS (so the failed ones
+        are stale from now on), the block record loses the failed volumes, and the block
+        is handed over for re-replication. No survivor: the write fails with EIO."""
+        rec = of.blocks[index]
+        if not good:
+            raise FsError(errno.EIO, f"every replica of block {rec.block_id} failed")
+        gs = self.ns.reserve("gs")
+        for replica in good:
+            replica.set_gs(gs)
+        self.ns.drop_replicas(of.ino, index, tuple(failed), gs)
+        rec.gs = gs
+        rec.volumes = tuple(v for v in rec.volumes if v not in failed)
+        of.bumped.add(index)
+        self.delete_trash(self.ns.last_trash)
+        log.warning("block %d of inode %d continues on %d replica(s) without volume(s) %s",
+                    rec.block_id, of.ino, len(good), failed)
+        self.on_needs_replication(of.ino, index)
 
     # --- read ----------------------------------------------------------------------------------
 
@@ -207,9 +233,14 @@ class BlockIO:
         if not plan:
             return b""
         self._touch_atime(of)
-        if size >= THREAD_READ_MIN and any(not isinstance(p, int) for p in plan):
-            return await trio.to_thread.run_sync(_execute_read, plan, of.ino)
-        return _execute_read(plan, of.ino)
+        bad: list[tuple[int, int, str]] = []
+        try:
+            if size >= THREAD_READ_MIN and any(not isinstance(p, int) for p in plan):
+                return await trio.to_thread.run_sync(_execute_read, plan, of.ino, bad)
+            return _execute_read(plan, of.ino, bad)
+        finally:
+            for index, volume_id, reason in bad:
+                self.on_bad_replica(of.ino, index, volume_id, reason)
 
     def _plan_read(self, of: OpenFile, offset: int, size: int) -> list:
         """Segments in order: an int is that many zero bytes; else (replicas, boff, count,
@@ -227,7 +258,7 @@ class BlockIO:
             else:
                 replicas = self._replicas(of, index, writable=index in of.writable)
                 plan.append((replicas, boff, min(count, rec.length - boff), count,
-                             rec.block_id))
+                             rec.block_id, index))
             pos += count
         return plan
 
@@ -279,8 +310,21 @@ class BlockIO:
                 raise FsError(errno.ENOSPC, f"volume {replica.volume.path} is full")
         if index not in of.bumped:
             self._bump(of, index, replicas)
+        good, failed = [], []
         for replica in replicas:
-            replica.write(boff, piece)
+            try:
+                replica.write(boff, piece)
+                good.append(replica)
+            except FsError as exc:
+                if len(replicas) == 1:
+                    raise
+                log.error("write to block %d on %s failed: %s", rec.block_id,
+                          replica.volume.path, exc)
+                failed.append(replica)
+        if failed:
+            of.replicas[index] = good
+            of.retired.extend(failed)
+            self._drop_from_pipeline(of, index, good, [r.volume.id for r in failed])
         if boff + len(piece) > rec.length:
             rec.length = boff + len(piece)
 
@@ -315,8 +359,8 @@ class BlockIO:
             raise
         of.blocks[index] = rec
         of.replicas[index] = sorted(replicas, key=lambda r: int(r.volume.storage_type))
-        if self.on_transient_block and all(v.storage_type.transient for v in volumes):
-            self.on_transient_block(of.ino, index)
+        if all(v.storage_type.transient for v in volumes):
+            self.on_needs_replication(of.ino, index)  # lazy persist
         of.writable.add(index)
         of.bumped.add(index)
 
@@ -361,29 +405,37 @@ class BlockIO:
     # --- deletion of replica files ---------------------------------------------------------------
 
     def delete_trash(self, trash) -> None:
-        """Delete the files of replicas the namespace already dropped, then forget them."""
+        """Delete the files of replicas the namespace already dropped, then forget them.
+
+        A volume that cannot delete (failed, unreadable) keeps the entry for the next mount.
+        """
         done = []
         for block_id, gs, volume_ids in trash:
-            for volume_id in volume_ids:
-                volume = self.volumes.by_id.get(volume_id)
-                if volume is not None:
-                    volume.delete_replica(block_id, None)
+            try:
+                for volume_id in volume_ids:
+                    volume = self.volumes.by_id.get(volume_id)
+                    if volume is not None:
+                        volume.delete_replica(block_id, None)
+            except (FsError, OSError) as exc:
+                log.error("cannot delete replicas of block %d yet: %s", block_id, exc)
+                continue
             done.append(block_id)
         self.ns.trash_done(done)
 
 
-def _execute_read(plan: list, ino: int) -> bytes:
+def _execute_read(plan: list, ino: int, bad: list) -> bytes:
     """Carry out a read plan; fails over between replicas, EIO when none is readable.
 
     Runs in the trio thread or a worker thread: it touches only the replicas it was given
-    (thread-safe, and never closed while the file is open).
+    (thread-safe, and never closed while the file is open). Replicas that failed are
+    appended to ``bad`` as (block index, volume id, reason) for the caller to report.
     """
     pieces = []
     for segment in plan:
         if isinstance(segment, int):
             pieces.append(bytes(segment))
             continue
-        replicas, boff, count, wanted, block_id = segment
+        replicas, boff, count, wanted, block_id, index = segment
         for replica in replicas:
             try:
                 data = replica.read(boff, count)
@@ -391,6 +443,7 @@ def _execute_read(plan: list, ino: int) -> bytes:
             except FsError as exc:
                 log.error("read of block %d from %s failed: %s", block_id,
                           replica.volume.path, exc)
+                bad.append((index, replica.volume.id, str(exc)))
         else:
             raise FsError(errno.EIO, f"no readable replica of block {block_id} of inode {ino}")
         pieces.append(data if len(data) == wanted else data + bytes(wanted - len(data)))

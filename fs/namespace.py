@@ -887,6 +887,52 @@ class Namespace:
 
         return self._mutate(Op.SET_REPLICAS, (ino, index, block_id, gs, volume_id), body)
 
+    def drop_replicas(self, ino: int, index: int, volume_ids: tuple[int, ...],
+                      gs: int | None = None) -> bool:
+        """Remove replicas from a block (failed in a write, corrupt, stale, excess); with
+        ``gs`` the block takes that new generation stamp in the same transaction. Their
+        files go to the trash. False if the block is gone."""
+
+        def body(w: _Write) -> bool:
+            key = schema.block_key(ino, index)
+            raw = w.txn.get(key, db=self.db["blocks"])
+            if raw is None:
+                return False
+            rec = BlockRecord.unpack(raw)
+            dropped = tuple(v for v in rec.volumes if v in volume_ids)
+            rec.volumes = tuple(v for v in rec.volumes if v not in volume_ids)
+            if gs is not None:
+                rec.gs = gs
+            w.txn.put(key, rec.pack(), db=self.db["blocks"])
+            for vol in dropped:
+                w.txn.delete(schema.replica_key(vol, rec.block_id), db=self.db["replicas"])
+            if dropped:
+                w.txn.put(u64(rec.block_id), schema.trash_value(rec.gs, dropped),
+                          db=self.db["trash"])
+                w.trash.append((rec.block_id, rec.gs, dropped))
+            return True
+
+        return self._mutate(Op.SET_REPLICAS, (ino, index, volume_ids, gs), body)
+
+    def iter_block_batches(self, size: int) -> Iterator[list[tuple[int, int, BlockRecord]]]:
+        """Every block as (ino, index, record), in batches each read in its own short
+        transaction (long read transactions stop LMDB from reusing pages)."""
+        last: bytes | None = None
+        while True:
+            batch = []
+            with self.env.begin() as txn, txn.cursor(db=self.db["blocks"]) as cur:
+                found = cur.set_range(last) if last is not None else cur.first()
+                while found and len(batch) < size:
+                    key = bytes(cur.key())
+                    if key != last:
+                        batch.append((*schema.split_block_key(key),
+                                      BlockRecord.unpack(cur.value())))
+                    last = key
+                    found = cur.next()
+            if not batch:
+                return
+            yield batch
+
     def blocks_on_volume(self, volume_id: int) -> list[tuple[int, int]]:
         """(ino, index) of every block with a replica on the volume."""
         prefix = schema.U32.pack(volume_id)

@@ -1,0 +1,212 @@
+"""The replication monitor: keeps every block's persistent replicas up to its replication.
+
+One in-daemon task serves three cases that are the same problem, "a block has fewer good
+persistent replicas than its file's replication factor asks for":
+
+- lazy persist: a LAZY_PERSIST block written to RAM_DISK has no persistent replica yet
+  (HDFS's lazy writer copies each finished block to DISK; RAM_DISK is transient and counts
+  for nothing);
+- a replica dropped from a write pipeline because its volume failed (seed 002);
+- a replica a read found missing, stale or corrupt: it is dropped from the block (only while
+  another replica remains, never the last one) and its files deleted.
+
+New replicas are placed like HDFS re-replication: ``chooseStorageTypes`` with the replicas
+already chosen and the *replication* fallbacks, the volume within a type by free space, on a
+volume the block does not use yet. A copy is verified and installed durably
+(``backends/copy.py``) and recorded only if the block's GS did not change meanwhile. Blocks of
+files open for writing wait (the "auth pin" holds off the copy). Work that cannot be done
+now (no room, copy failed) is retried with a back-off; fsck reports what remains.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+
+import trio
+
+from tierfs.backends.copy import copy_error, copy_replica
+from tierfs.backends.volume_set import VolumeSet
+from tierfs.fs.blockio import BlockIO
+from tierfs.fs.errors import FsError
+from tierfs.fs.namespace import Namespace
+from tierfs.fs.resolver import Resolver
+from tierfs.fs.schema import BlockRecord
+
+log = logging.getLogger(__name__)
+
+ROUND_SECONDS = 0.5
+RETRY_SECONDS = 30.0
+BATCH = 256
+
+
+class ReplicationMonitor:
+    def __init__(self, ns: Namespace, volumes: VolumeSet, blockio: BlockIO, resolver: Resolver):
+        self.ns = ns
+        self.volumes = volumes
+        self.blockio = blockio
+        self.resolver = resolver
+        self.pending: set[tuple[int, int]] = set()
+        self.bad: dict[tuple[int, int], dict[int, str]] = {}
+        self.retry_at: dict[tuple[int, int], float] = {}
+        self.failures: dict[tuple[int, int], str] = {}
+        blockio.on_needs_replication = self.note
+        blockio.on_bad_replica = self.report_bad
+
+    # --- intake ----------------------------------------------------------------------------
+
+    def note(self, ino: int, index: int) -> None:
+        self.pending.add((ino, index))
+        self.retry_at.pop((ino, index), None)
+
+    def report_bad(self, ino: int, index: int, volume_id: int, reason: str) -> None:
+        self.bad.setdefault((ino, index), {})[volume_id] = reason
+        self.note(ino, index)
+
+    async def scan(self) -> int:
+        """Background scan of every block for under-replication (at mount). Returns how
+        many blocks it queued; yields to other tasks between batches."""
+        queued = 0
+        for batch in self.ns.iter_block_batches(BATCH):
+            for ino, index, rec in batch:
+                if self._persistent_count(rec) < self._replication(ino):
+                    self.note(ino, index)
+                    queued += 1
+            await trio.sleep(0)
+        return queued
+
+    # --- the task ----------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        await self.scan()
+        while True:
+            await trio.sleep(ROUND_SECONDS)
+            await self.round()
+
+    async def round(self) -> int:
+        """One pass over the pending blocks; returns how many replicas it added."""
+        added = 0
+        now = time.monotonic()
+        for key in sorted(self.pending):
+            if self.retry_at.get(key, 0) > now:
+                continue
+            ino, index = key
+            of = self.blockio.files.get(ino)
+            if of is not None and of.writers:
+                continue
+            try:
+                added += await self._repair(ino, index)
+                self.pending.discard(key)
+                self.failures.pop(key, None)
+                self.retry_at.pop(key, None)
+            except FsError as exc:
+                reason = copy_error(exc)
+                if self.failures.get(key) != reason:
+                    log.warning("replication of block %d of inode %d: %s", index, ino, reason)
+                self.failures[key] = reason
+                self.retry_at[key] = time.monotonic() + RETRY_SECONDS
+        return added
+
+    # --- one block ----------------------------------------------------------------------------
+
+    async def _repair(self, ino: int, index: int) -> int:
+        rec = self._record(ino, index)
+        if rec is None:
+            self.bad.pop((ino, index), None)
+            return 0
+        rec = self._drop_bad(ino, index, rec)
+        replication = self._replication(ino)
+        if self._persistent_count(rec) >= replication:
+            return 0
+        policy = self.resolver.policy(ino)
+        source = self._source(rec, ino, index)
+        chosen = [self.volumes.get(v).storage_type for v in rec.volumes
+                  if not self.volumes.get(v).storage_type.transient]
+        used = list(rec.volumes)
+        unavailable: set = set()
+        added = 0
+        while len(chosen) < replication:
+            wanted = policy.choose_storage_types(replication, chosen, unavailable,
+                                                 is_new_block=False)
+            if not wanted:
+                break
+            missing = set()
+            for storage_type in wanted:
+                target = self.volumes.pick(storage_type, rec.length, exclude=used)
+                if target is None:
+                    missing.add(storage_type)
+                    continue
+                await self._copy(ino, index, rec, source, target)
+                chosen.append(storage_type)
+                used.append(target.id)
+                added += 1
+            if not missing or missing <= unavailable:
+                break
+            unavailable |= missing
+        if len(chosen) < replication:
+            raise FsError(errno.ENOSPC, f"only {len(chosen)} of {replication} replicas "
+                                        f"placeable: no volume allowed by {policy.name} has room")
+        return added
+
+    def _record(self, ino: int, index: int) -> BlockRecord | None:
+        of = self.blockio.files.get(ino)
+        if of is not None:
+            return of.blocks.get(index)
+        try:
+            return self.ns.get_blocks(ino).get(index)
+        except FsError:
+            return None
+
+    def _replication(self, ino: int) -> int:
+        try:
+            return self.resolver.replication(ino)
+        except FsError:
+            return 0
+
+    def _persistent_count(self, rec: BlockRecord) -> int:
+        return sum(1 for v in rec.volumes if v in self.volumes.by_id
+                   and not self.volumes.get(v).storage_type.transient)
+
+    def _drop_bad(self, ino: int, index: int, rec: BlockRecord) -> BlockRecord:
+        """Drop replicas reported bad, keeping at least one (a last replica is never
+        deleted: it may be readable in part, and fsck reports the block)."""
+        bad = {v: r for v, r in self.bad.pop((ino, index), {}).items() if v in rec.volumes}
+        if not bad:
+            return rec
+        keep = [v for v in rec.volumes if v not in bad]
+        if not keep:
+            log.error("block %d of inode %d has no good replica left (%s)", rec.block_id, ino,
+                      "; ".join(bad.values()))
+            return rec
+        self.ns.drop_replicas(ino, index, tuple(bad))
+        self.blockio.delete_trash(self.ns.last_trash)
+        log.warning("dropped bad replica(s) of block %d on volume(s) %s", rec.block_id,
+                    sorted(bad))
+        rec.volumes = tuple(keep)
+        self._refresh_open_file(ino, index, rec.volumes)
+        return rec
+
+    def _source(self, rec: BlockRecord, ino: int, index: int):
+        for volume in self.volumes.sorted_for_read(rec.volumes):
+            return volume
+        raise FsError(errno.EIO, f"block {rec.block_id} of inode {ino} has no replica")
+
+    async def _copy(self, ino: int, index: int, rec: BlockRecord, source, target) -> None:
+        try:
+            await trio.to_thread.run_sync(copy_replica, source, target, rec.block_id, rec.gs)
+        except FsError as exc:
+            if exc.errno == errno.EIO:
+                self.report_bad(ino, index, source.id, str(exc))
+            raise
+        if not self.ns.add_replica(ino, index, rec.block_id, rec.gs, target.id):
+            target.delete_replica(rec.block_id, rec.gs)
+            raise FsError(errno.EAGAIN, "block changed during the copy; retrying")
+        rec.volumes = rec.volumes + (target.id,)
+        self._refresh_open_file(ino, index, rec.volumes)
+
+    def _refresh_open_file(self, ino: int, index: int, volumes: tuple[int, ...]) -> None:
+        of = self.blockio.files.get(ino)
+        if of is not None and index in of.blocks:
+            of.blocks[index].volumes = volumes
+            self.blockio.retire_replicas(of, [index])  # reopened with the new set
