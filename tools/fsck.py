@@ -346,6 +346,16 @@ class Snapshot:
 
     @classmethod
     def load(cls, ns: Namespace) -> "Snapshot":
+        """Read the namespace; beside a daemon that grew the map meanwhile, adopt the new
+        size (LMDB's documented answer to MDB_MAP_RESIZED) and read again."""
+        try:
+            return cls._load(ns)
+        except lmdb.MapResizedError:
+            ns.env.set_mapsize(0)
+            return cls._load(ns)
+
+    @classmethod
+    def _load(cls, ns: Namespace) -> "Snapshot":
         with ns.env.begin() as txn:
             def rows(name: str) -> list[tuple[bytes, bytes]]:
                 with txn.cursor(db=ns.db[name]) as cur:
@@ -627,6 +637,10 @@ class _Checker:
         if top is None:
             raise UsageError(f"path '{self.fsck.path}' does not exist in "
                              f"{self.fsck.data_dir}")
+        holder = self.fsck.holder() if self.mounted else None
+        if holder:
+            self.note(f"mounted (daemon pid {holder[0]} on {holder[1]}): checked beside it; "
+                      "blocks open for writing are not verified")
         if self.whole:
             self.check_structure()
         self.scan_volumes()
@@ -871,10 +885,6 @@ class _Checker:
     def check_pending(self) -> None:
         """Leases, orphans and trash: in use beside a daemon, recovery work without one."""
         snap = self.snap
-        holder = self.fsck.holder() if self.mounted else None
-        if holder:
-            self.note(f"mounted (daemon pid {holder[0]} on {holder[1]}): leases, orphans "
-                      "and trash belong to it")
         for ino in sorted(snap.leases):
             if self.mounted:
                 self.note(f"{snap.path_of(ino)}: open for writing (lease held)")
@@ -1203,9 +1213,17 @@ class _Rows:
         self.txn.delete(schema.backlink_key(child, parent, name), db=self.db["backlinks"])
         return child
 
-    def add_dentry(self, parent: Inode, name: bytes, child: int) -> None:
+    def free_cookie(self, parent: Inode) -> int:
+        """The directory's next cookie, skipping any a damaged ``next_cookie`` left in use."""
         cookie = parent.next_cookie
-        parent.next_cookie += 1
+        while self.txn.get(schema.cookie_key(parent.ino, cookie),
+                           db=self.db["dircookies"]) is not None:
+            cookie += 1
+        return cookie
+
+    def add_dentry(self, parent: Inode, name: bytes, child: int) -> None:
+        cookie = self.free_cookie(parent)
+        parent.next_cookie = cookie + 1
         self.txn.put(schema.dentry_key(parent.ino, name), schema.dentry_value(child, cookie),
                      db=self.db["dentries"])
         self.txn.put(schema.cookie_key(parent.ino, cookie), name, db=self.db["dircookies"])
@@ -1225,7 +1243,7 @@ class _Rows:
 # then rows that make names consistent, then names, counts and blocks, then volume files,
 # and the clean state last.
 _ORDER = ("make_root", "delete_trash", "drop_replica_leased", "recover_lease", "delete_cookie",
-          "delete_backlink", "remove_dentry", "add_backlink", "fix_cookie", "fix_next_cookie",
+          "delete_backlink", "remove_dentry", "add_backlink", "fix_next_cookie", "fix_cookie",
           "remove_orphan_row", "relink", "purge", "clear_symlink", "fix_nlink", "fix_parent",
           "fix_symlink_size", "delete_rows", "drop_block", "fix_size", "index_set",
           "index_delete", "drop_replica", "truncate_replica", "unlink_meta", "delete_paths",
@@ -1353,7 +1371,7 @@ class _Repairer:
                 raise _Unchanged("the row exists")
             pinode = rows.inode(parent)
             if held is not None or cookie < schema.FIRST_COOKIE:
-                cookie = pinode.next_cookie
+                cookie = rows.free_cookie(pinode)
                 rows.txn.put(schema.dentry_key(parent, name),
                              schema.dentry_value(child, cookie), db=rows.db["dentries"])
             pinode.next_cookie = max(pinode.next_cookie, cookie + 1)
