@@ -367,13 +367,26 @@ class Namespace:
     def rename_mode(self) -> inherited.RenameMode:
         return inherited.RenameMode(self.config.rename_mode)
 
-    def _moved(self, w: _Write, ino: int, new_parent: int) -> list:
-        """Before a rename of ``ino`` into ``new_parent``: its new ops, and whether its own
-        value changes (computed from the chains before anything moves)."""
+    def _moved(self, w: _Write, inode: Inode, new_parent: int) -> list:
+        """Before a rename of ``inode`` into ``new_parent``: its new ops, and whether its
+        own value changes (computed from the chains before anything moves).
+
+        Fast path: a non-directory in rename-affected mode has no subtree, so "take the
+        destination's value" is "have no op of its own"; the chains are walked only when
+        the parent changes, to tell the satisfier whether the file's value changed.
+        """
         txn, mode = w.txn, self.rename_mode
         plans = []
+        simple = mode is inherited.RenameMode.FOLLOW and not stat.S_ISDIR(inode.mode)
         for attr in Inherited.ALL:
-            old_chain = self._ops_chain(txn, ino, attr)
+            if simple:
+                changed = inode.parent != new_parent and (
+                    inherited.resolve(self._ops_chain(txn, inode.ino, attr), mode).value
+                    != inherited.resolve([None] + self._ops_chain(txn, new_parent, attr),
+                                         mode).value)
+                plans.append((attr, None, changed))
+                continue
+            old_chain = self._ops_chain(txn, inode.ino, attr)
             parent_chain = self._ops_chain(txn, new_parent, attr)
             op = inherited.op_for_rename(old_chain, parent_chain, w.txid, mode)
             changed = (inherited.resolve(old_chain, mode).value
@@ -655,7 +668,7 @@ class Namespace:
                     raise _enoent(f"{new_name!r} not found")
                 if stat.S_ISDIR(dst.mode):
                     self._check_not_inside(txn, dst.ino, old_parent)
-                plans = (self._moved(w, src.ino, new_parent), self._moved(w, dst.ino, old_parent))
+                plans = (self._moved(w, src, new_parent), self._moved(w, dst, old_parent))
                 self._exchange(txn, src_dir, old_name, src, dst_dir, new_name, dst, now_ns)
                 self._apply_moved(w, src, plans[0])
                 self._apply_moved(w, dst, plans[1])
@@ -669,7 +682,7 @@ class Namespace:
                 self._remove_dentry(txn, new_parent, new_name)
                 if stat.S_ISDIR(dst.mode):
                     dst_dir.nlink -= 1
-            plans = self._moved(w, src.ino, new_parent)
+            plans = self._moved(w, src, new_parent)
             self._remove_dentry(txn, old_parent, old_name)
             self._add_dentry(txn, dst_dir, new_name, src.ino)
             self._apply_moved(w, src, plans)
