@@ -113,7 +113,7 @@ def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:
         stack.callback(ns.close)
         volumes = VolumeSet.open(data, ns.config.fs_uuid, ns.config.volumes)
         unclean = ns.get_state() == "mounted"
-        report = recover(ns, volumes, unclean=unclean)
+        report = recover(ns, volumes)
         if unclean:
             log.warning("previous daemon did not stop cleanly; recovered: %s",
                         report.summary())

@@ -6,8 +6,10 @@ Runs before the mount serves any request, so nothing else touches the namespace:
 2. leases left by a dead daemon (seed 002, "Lease recovery"): re-verify the file's blocks and
    settle each block's length, take a new generation stamp for the last block, close the lease;
 3. orphans: inodes unlinked while open are purged (the kernel has forgotten everything);
-4. after an unclean stop, a scan of every volume removes replica files the namespace does not
-   know (blocks created but never recorded, "pre-historic" blocks) and stale meta files.
+4. a scan of every volume removes replica files the namespace does not know (blocks created
+   but never recorded, "pre-historic" blocks from a volume that was away, replicas dropped
+   while their volume failed) and stale meta files. It runs at every mount, not only after
+   an unclean stop: a volume can come back with old blocks after a clean one.
 
 What a crash can leave, and what repairs it:
 
@@ -65,7 +67,7 @@ def delete_trash(ns: Namespace, volumes: VolumeSet) -> int:
     return len(done)
 
 
-def recover(ns: Namespace, volumes: VolumeSet, *, unclean: bool) -> RecoveryReport:
+def recover(ns: Namespace, volumes: VolumeSet) -> RecoveryReport:
     report = RecoveryReport()
     report.trash_deleted = delete_trash(ns, volumes)
     for ino in ns.leases():
@@ -75,8 +77,7 @@ def recover(ns: Namespace, volumes: VolumeSet, *, unclean: bool) -> RecoveryRepo
         ns.purge(ino)
         report.orphans_purged += 1
     report.trash_deleted += delete_trash(ns, volumes)
-    if unclean:
-        scan_volumes(ns, volumes, report)
+    scan_volumes(ns, volumes, report)
     return report
 
 
