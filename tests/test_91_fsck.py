@@ -612,3 +612,127 @@ def test_interrupted_repair_releases_everything(plain, capsys):
     assert MountLock(plain).holder() is None
     assert fsck(plain, capsys=capsys)[0] == 1
     assert stat.S_ISDIR(inode_at(plain, "/d").mode)
+
+
+# --------------------------------------------------------------------------- more rows
+
+
+def _unname(txn, db, parent: int, name: bytes) -> int:
+    """Delete a dentry with its dircookies and backlinks rows; returns the child."""
+    child, cookie = schema.parse_dentry_value(
+        txn.get(schema.dentry_key(parent, name), db=db("dentries")))
+    txn.delete(schema.dentry_key(parent, name), db=db("dentries"))
+    txn.delete(schema.cookie_key(parent, cookie), db=db("dircookies"))
+    txn.delete(schema.backlink_key(child, parent, name), db=db("backlinks"))
+    return child
+
+
+def _put_inode(txn, db, inode: Inode) -> None:
+    txn.put(u64(inode.ino), inode.pack(), db=db("inodes"))
+
+
+def damage_orphan_left_by_dead_daemon(nodes, txn, db):
+    inode = nodes["/x"]
+    _unname(txn, db, ROOT_INO, b"x")
+    inode.nlink = 0
+    _put_inode(txn, db, inode)
+    txn.put(u64(inode.ino), b"", db=db("orphans"))
+
+
+def damage_orphan_with_nlink(nodes, txn, db):
+    damage_orphan_left_by_dead_daemon(nodes, txn, db)
+    _put_inode(txn, db, rewrite_fields(nodes["/x"], nlink=1))
+
+
+def damage_missing_cookie_row(nodes, txn, db):
+    _, cookie = schema.parse_dentry_value(
+        txn.get(schema.dentry_key(ROOT_INO, b"x"), db=db("dentries")))
+    txn.delete(schema.cookie_key(ROOT_INO, cookie), db=db("dircookies"))
+
+
+def damage_missing_backlink(nodes, txn, db):
+    txn.delete(schema.backlink_key(nodes["/x"].ino, ROOT_INO, b"x"),
+               db=db("backlinks"))
+
+
+def damage_next_cookie(nodes, txn, db):
+    root = nodes["/"]
+    root.next_cookie = 4
+    _put_inode(txn, db, root)
+
+
+def damage_directory_hard_link(nodes, txn, db):
+    sub, root = nodes["/d/sub"], nodes["/"]
+    txn.put(schema.dentry_key(ROOT_INO, b"sub2"), schema.dentry_value(sub.ino, root.next_cookie),
+            db=db("dentries"))
+    txn.put(schema.cookie_key(ROOT_INO, root.next_cookie), b"sub2", db=db("dircookies"))
+    txn.put(schema.backlink_key(sub.ino, ROOT_INO, b"sub2"), b"", db=db("backlinks"))
+    root.next_cookie += 1
+    root.nlink += 1
+    _put_inode(txn, db, root)
+
+
+def damage_block_past_end_of_file(nodes, txn, db):
+    _put_inode(txn, db, rewrite_fields(nodes["/big"], size=1000))
+
+
+def damage_block_of_a_missing_inode(nodes, txn, db):
+    ino = nodes["/x"].ino
+    _unname(txn, db, ROOT_INO, b"x")
+    txn.delete(u64(ino), db=db("inodes"))
+
+
+def damage_rows_of_a_missing_inode(nodes, txn, db):
+    txn.put(schema.xattr_key(999_999, b"user.lost"), b"value", db=db("xattrs"))
+    txn.put(u64(999_998), b"", db=db("orphans"))
+
+
+def damage_symlink_size(nodes, txn, db):
+    _put_inode(txn, db, rewrite_fields(nodes["/s"], size=99))
+
+
+def damage_txid_counter(nodes, txn, db):
+    txn.put(b"txid", u64(3), db=db("meta"))
+
+
+def damage_unknown_volume_in_record(nodes, txn, db):
+    ino = nodes["/x"].ino
+    key = schema.block_key(ino, 0)
+    rec = schema.BlockRecord.unpack(txn.get(key, db=db("blocks")))
+    rec.volumes = (*rec.volumes, 7)
+    txn.put(key, rec.pack(), db=db("blocks"))
+    txn.put(schema.replica_key(7, rec.block_id), key, db=db("replicas"))
+
+
+def damage_root_missing(nodes, txn, db):
+    txn.delete(u64(ROOT_INO), db=db("inodes"))
+
+
+def rewrite_fields(inode: Inode, **fields) -> Inode:
+    for name, value in fields.items():
+        setattr(inode, name, value)
+    return inode
+
+
+@pytest.mark.parametrize("damage, expected", [
+    (damage_orphan_left_by_dead_daemon, {"ORPHAN_PENDING"}),
+    (damage_orphan_with_nlink, {"ORPHAN_NLINK"}),
+    (damage_missing_cookie_row, {"MISSING_COOKIE"}),
+    (damage_missing_backlink, {"MISSING_BACKLINK"}),
+    (damage_next_cookie, {"BAD_NEXT_COOKIE"}),
+    (damage_directory_hard_link, {"DIR_HARDLINK"}),
+    (damage_block_past_end_of_file, {"BLOCK_PAST_EOF"}),
+    (damage_block_of_a_missing_inode, {"BLOCK_OF_NON_FILE"}),
+    (damage_rows_of_a_missing_inode, {"STRAY_ROWS"}),
+    (damage_symlink_size, {"WRONG_SIZE"}),
+    (damage_txid_counter, {"COUNTER_BEHIND"}),
+    (damage_unknown_volume_in_record, {"MISSING_REPLICA"}),
+    (damage_root_missing, {"ROOT_MISSING"}),
+], ids=lambda v: v.__name__.removeprefix("damage_") if callable(v) else None)
+def test_namespace_damage_is_found_and_repaired(plain, damage, expected, capsys):
+    nodes = {p: inode_at(plain, p) for p in ("/", "/x", "/d/sub", "/big", "/s")}
+    with namespace_rows(plain) as (db, txn):
+        damage(nodes, txn, db)
+    assert_repairs(plain, expected, capsys)
+    report = Fsck(plain).check()
+    assert report.healthy and report.stats.corrupt_blocks == 0

@@ -402,10 +402,15 @@ class Snapshot:
         return snap
 
     def _derive(self) -> None:
-        """Indexes the checks need: valid names of each inode, children, blocks per file."""
+        """Indexes the checks need: valid names of each inode, children, blocks per file.
+
+        A name is valid in an existing directory, and in the root even when the root inode
+        is missing: the root is recreated, so its entries are not reported one by one.
+        """
+        root_missing = ROOT_INO not in self.inodes
         for (parent, name), (child, _) in self.dentries.items():
-            pinode = self.inodes.get(parent)
-            if pinode is None or not stat.S_ISDIR(pinode.mode) or child not in self.inodes:
+            in_dir = self.is_dir(parent) or (parent == ROOT_INO and root_missing)
+            if not in_dir or child not in self.inodes:
                 continue
             self.links.setdefault(child, []).append((parent, name))
             self.children.setdefault(parent, []).append((name, child))
@@ -634,7 +639,7 @@ class _Checker:
     def run(self) -> FsckReport:
         start = time.monotonic()
         top = self.snap.resolve(self.fsck.path)
-        if top is None:
+        if top is None and not self.whole:
             raise UsageError(f"path '{self.fsck.path}' does not exist in "
                              f"{self.fsck.data_dir}")
         holder = self.fsck.holder() if self.mounted else None
@@ -653,7 +658,7 @@ class _Checker:
 
     def _all_inodes(self) -> list[int]:
         """Reachable inodes in tree order, then the rest (orphans, detached)."""
-        order = self.snap.subtree(ROOT_INO) if ROOT_INO in self.snap.inodes else []
+        order = [i for i in self.snap.subtree(ROOT_INO) if i in self.snap.inodes]
         reached = set(order)
         return order + sorted(set(self.snap.inodes) - reached)
 
@@ -688,13 +693,14 @@ class _Checker:
             pinode = snap.inodes.get(parent)
             if pinode is None or not stat.S_ISDIR(pinode.mode):
                 what = "a missing inode" if pinode is None else "a non-directory"
-                self.problem("DENTRY_IN_NON_DIR", where,
-                             f"entry for inode {child} lives in {what} ({parent})",
-                             (parent, name), ("remove_dentry", parent, name))
+                if parent != ROOT_INO:   # a missing root is recreated, keeping its entries
+                    self.problem("DENTRY_IN_NON_DIR", where,
+                                 f"entry for inode {child} lives in {what} ({parent})",
+                                 (parent, name), ("remove_dentry", parent, name, "non_dir"))
                 continue
             if child not in snap.inodes:
                 self.problem("DANGLING_DENTRY", where, f"names inode {child}, which does "
-                             "not exist", (parent, name), ("remove_dentry", parent, name))
+                             "not exist", (parent, name), ("remove_dentry", parent, name, "dangling"))
                 continue
             if snap.cookies.get((parent, cookie)) != name:
                 self.problem("MISSING_COOKIE", where, f"readdir cookie {cookie} has no "
@@ -745,7 +751,7 @@ class _Checker:
         for parent, name in links:
             self.problem("DIR_HARDLINK", self.snap.entry_path(parent, name),
                          "names the root directory", (parent, name),
-                         ("remove_dentry", parent, name))
+                         ("remove_dentry", parent, name, "dir_link"))
         if root.parent != ROOT_INO:
             self.problem("WRONG_PARENT", "/", f"parent is {root.parent}, not itself",
                          (ROOT_INO,), ("fix_parent", ROOT_INO))
@@ -781,7 +787,7 @@ class _Checker:
                 if (parent, name) != keep:
                     self.problem("DIR_HARDLINK", snap.entry_path(parent, name),
                                  f"second name of directory {where}", (parent, name),
-                                 ("remove_dentry", parent, name))
+                                 ("remove_dentry", parent, name, "dir_link"))
         expected = 2 + subdirs if is_dir else len(links)
         if inode.nlink != expected:
             self.problem("WRONG_NLINK", where, f"nlink is {inode.nlink}, expected "
@@ -808,7 +814,7 @@ class _Checker:
         """Directories named only from inside their own subtree: a loop the root cannot
         reach. (Subtrees below a nameless directory are covered by that directory.)"""
         snap = self.snap
-        reached = set(snap.subtree(ROOT_INO)) if ROOT_INO in snap.inodes else set()
+        reached = set(snap.subtree(ROOT_INO))
         done: set[int] = set()
         for ino in sorted(snap.inodes):
             if ino in reached or ino in done or not snap.is_dir(ino) or not snap.links.get(ino):
@@ -1178,6 +1184,17 @@ class _Rows:
                 out.append((parent, name))
         return out
 
+    def reaches_root(self, ino: int) -> bool:
+        """Whether names lead from ``ino`` up to the root (no loop, no nameless ancestor)."""
+        seen = set()
+        while ino != ROOT_INO:
+            links = self.links(ino)
+            if not links or ino in seen:
+                return False
+            seen.add(ino)
+            ino = links[0][0]
+        return self.inode(ROOT_INO) is not None
+
     def children(self, ino: int) -> list[tuple[bytes, int, int]]:
         out = []
         for key, value in self.prefixed("dentries", u64(ino)):
@@ -1318,16 +1335,28 @@ class _Repairer:
 
     # --- names ---------------------------------------------------------------------------
 
-    def fix_remove_dentry(self, parent: int, name: bytes) -> str:
-        """Remove a bad name; the child, if it loses its last name, goes to lost+found in
-        the next pass (its nlink is left alone, so it is never purged by mistake)."""
+    def fix_remove_dentry(self, parent: int, name: bytes, reason: str) -> str:
+        """Remove a bad name, if ``reason`` still holds: its directory is missing or not a
+        directory (``non_dir``), its inode is missing (``dangling``), or it is an extra
+        name of a directory (``dir_link``). A child that loses its last name goes to
+        lost+found in the next pass (its nlink is left alone, so it is never purged)."""
         def body(rows: _Rows) -> str:
-            if rows.dentry(parent, name) is None:
+            entry = rows.dentry(parent, name)
+            if entry is None:
                 raise _Unchanged("the entry is gone")
+            pinode, child = rows.inode(parent), rows.inode(entry[0])
+            still = {
+                "non_dir": pinode is None or not stat.S_ISDIR(pinode.mode),
+                "dangling": child is None,
+                "dir_link": child is not None and stat.S_ISDIR(child.mode)
+                and (child.ino == ROOT_INO or len(rows.links(child.ino)) > 1),
+            }[reason]
+            if not still:
+                raise _Unchanged("the entry is no longer wrong")
             rows.remove_dentry(parent, name)
             rows.recount(parent)
             return "entry removed"
-        return self._txn(("remove_dentry", parent, name), body)
+        return self._txn(("remove_dentry", parent, name, reason), body)
 
     def fix_delete_cookie(self, parent: int, cookie: int) -> str:
         def body(rows: _Rows) -> str:
@@ -1411,7 +1440,7 @@ class _Repairer:
             if inode is None:
                 raise _Unchanged("the inode is gone")
             old = rows.links(ino)
-            if old and not stat.S_ISDIR(inode.mode):
+            if old and (not stat.S_ISDIR(inode.mode) or rows.reaches_root(ino)):
                 raise _Unchanged("the inode has a name")
             for parent, old_name in old:
                 rows.remove_dentry(parent, old_name)
@@ -1734,6 +1763,8 @@ class Fsck:
                     and log.get((p.key, p.message), p).outcome is None]
             if not todo:
                 break
+            # Without a root every name looks wrong: recreate it alone, then look again.
+            todo = [p for p in todo if p.kind == "ROOT_MISSING"] or todo
             _Repairer(ns, volumes).apply(todo)
             log.update({(p.key, p.message): p for p in todo})
             report = self._check(ns, volumes, mounted=False)
