@@ -273,7 +273,8 @@ class Namespace:
         parent.next_cookie += 1
         txn.put(schema.dentry_key(parent.ino, name), schema.dentry_value(child, cookie),
                 db=self.db["dentries"])
-        txn.put(schema.cookie_key(parent.ino, cookie), name, db=self.db["dircookies"])
+        txn.put(schema.cookie_key(parent.ino, cookie), schema.cookie_value(child, name),
+                db=self.db["dircookies"])
         txn.put(schema.backlink_key(child, parent.ino, name), b"", db=self.db["backlinks"])
 
     def _remove_dentry(self, txn, parent: int, name: bytes) -> int:
@@ -432,15 +433,18 @@ class Namespace:
         """Entries with cookie > after_cookie, in cookie order, with their inodes."""
         out: list[tuple[DirEntry, Inode]] = []
         start = schema.cookie_key(parent, after_cookie + 1)
+        prefix = u64(parent)
+        inodes = self.db["inodes"]
         with self.env.begin() as txn, txn.cursor(db=self.db["dircookies"]) as cur:
             if not cur.set_range(start):
                 return out
-            for key, name in cur:
-                dir_ino, cookie = schema.split_cookie_key(key)
-                if dir_ino != parent or len(out) >= limit:
+            for key, value in cur:
+                if key[:8] != prefix or len(out) >= limit:
                     break
-                child = self._child(txn, parent, bytes(name))[0]
-                out.append((DirEntry(cookie, bytes(name), child), self._inode(txn, child)))
+                child, name = schema.parse_cookie_value(value)
+                raw = txn.get(value[:8], db=inodes)
+                out.append((DirEntry(schema.U64.unpack_from(key, 8)[0], name, child),
+                            Inode.unpack(child, raw)))
         return out
 
     def readlink(self, ino: int) -> bytes:
@@ -731,6 +735,11 @@ class Namespace:
         _, new_cookie = schema.parse_dentry_value(txn.get(new_key, db=self.db["dentries"]))
         txn.put(old_key, schema.dentry_value(dst.ino, old_cookie), db=self.db["dentries"])
         txn.put(new_key, schema.dentry_value(src.ino, new_cookie), db=self.db["dentries"])
+        cookies = self.db["dircookies"]
+        txn.put(schema.cookie_key(src_dir.ino, old_cookie), schema.cookie_value(dst.ino, old_name),
+                db=cookies)
+        txn.put(schema.cookie_key(dst_dir.ino, new_cookie), schema.cookie_value(src.ino, new_name),
+                db=cookies)
         backlinks = self.db["backlinks"]
         txn.delete(schema.backlink_key(src.ino, src_dir.ino, old_name), db=backlinks)
         txn.delete(schema.backlink_key(dst.ino, dst_dir.ino, new_name), db=backlinks)

@@ -31,7 +31,8 @@ Databases (name: key -> value):
     unique and increasing within its directory (taken from the directory's ``next_cookie``)
     so a listing resumed after an offset shows every entry that stayed exactly once.
 ``dircookies``
-    parent u64 + cookie u64 -> name. The readdir order; one row per dentry.
+    parent u64 + cookie u64 -> child u64 + name. The readdir order; one row per dentry,
+    carrying the child so a listing needs no second lookup per entry.
 ``backlinks``
     child u64 + parent u64 + name -> b"". One row per dentry; finds the remaining links of
     a hard-linked file when its ``parent`` link goes away, and gives fsck paths.
@@ -158,6 +159,14 @@ def cookie_key(parent: int, cookie: int) -> bytes:
 
 def split_cookie_key(raw: bytes) -> tuple[int, int]:
     return U64X2.unpack(raw)
+
+
+def cookie_value(child: int, name: bytes) -> bytes:
+    return U64.pack(child) + name
+
+
+def parse_cookie_value(raw) -> tuple[int, bytes]:
+    return U64.unpack_from(raw)[0], bytes(raw[8:])
 
 
 def backlink_key(child: int, parent: int, name: bytes) -> bytes:
