@@ -14,6 +14,7 @@ Exit codes: 0 mounted (or unmounted cleanly with -f), 1 cannot mount, 2 usage.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
@@ -99,6 +100,8 @@ def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:
     mnt = Path(os.path.abspath(args.mountpoint))
     if not mnt.is_dir():
         raise MountError(f"mount point {mnt} does not exist or is not a directory")
+    if data.exists() and not data.is_dir():
+        raise MountError(f"{data} is not a directory")
     if not mkfs.is_filesystem(data):
         if data.exists() and any(p.name != "tierfs.log" for p in data.iterdir()):
             raise MountError(f"{data} is neither empty nor a tierfs filesystem")
@@ -186,6 +189,8 @@ def run(args, ready_fd: int | None) -> int:
         stack, ops, blockio, ns = prepare(args)
     except (MountError, FsError, UsageError) as exc:
         return fail(str(exc))
+    except OSError as exc:
+        return fail(f"{exc.filename or args.data}: {exc.strerror or exc}")
     with stack:
         try:
             pyfuse3.init(ops, os.path.abspath(args.mountpoint),
@@ -227,6 +232,8 @@ def daemonize(args) -> int:
         os.dup2(devnull, fd)
     log_path = args.log or os.path.join(os.path.abspath(args.data), "tierfs.log")
     try:
+        if os.path.exists(args.data) and not os.path.isdir(args.data):
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", args.data)
         os.makedirs(os.path.dirname(log_path), exist_ok=True)
         log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     except OSError as exc:

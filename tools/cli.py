@@ -9,6 +9,10 @@ subcommand  codes
 mkfs        0 created, 1 failed (e.g. DATA already holds a filesystem), 2 usage
 umount      0 unmounted, 1 failed (not a tierfs mount, busy), 2 usage
 fsck        0 healthy, 1 corrupt (or repaired problems), 2 usage or cannot run
+policy      0 done, 1 usage (missing, extra or unknown arguments or action), 2 failed
+            (no such path, not on a tierfs mount, unknown policy, refused by the mount)
+report      0 reported, 2 usage or cannot run (not a tierfs data directory or mount,
+            namespace unreadable); 130 interrupted
 ==========  =====================================================================
 """
 
@@ -66,6 +70,18 @@ def _fsck(args) -> int:
     return run_fsck(args)
 
 
+def _policy(args) -> int:
+    from tierfs.tools import policy
+
+    return policy.run(args)
+
+
+def _report(args) -> int:
+    from tierfs.tools import report
+
+    return report.run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tierfs", description="tierfs tools")
     parser.add_argument("--debug", action="store_true", help="log debug messages")
@@ -98,6 +114,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--blocks", action="store_true", help="with --files: list blocks")
     p.add_argument("--locations", action="store_true", help="with --blocks: replicas")
     p.set_defaults(func=_fsck)
+
+    from tierfs.tools import policy
+
+    p = sub.add_parser("policy", help="list, get, set or unset storage policies (like "
+                                      "hdfs storagepolicies) of paths on a tierfs mount")
+    p.usage_code = policy.USAGE
+    policy.add_subcommands(p)
+    p.set_defaults(func=_policy)
+
+    p = sub.add_parser("report", help="capacity, usage and placement per storage type, "
+                                      "volume and storage policy")
+    p.add_argument("target", metavar="DATA|MNT",
+                   help="a data directory, or the mount point of a tierfs")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_report)
     return parser
 
 
@@ -117,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except (FsError, VolumeError) as exc:
         print(f"tierfs {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"tierfs {args.command}: {where}{exc.strerror or exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"tierfs {args.command}: interrupted", file=sys.stderr)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shutil
 import time
 import uuid as uuidlib
 from dataclasses import dataclass
@@ -82,21 +83,43 @@ def make_filesystem(data_dir: Path, volumes: list[VolumeSpec] | None = None, *,
     volumes = volumes or default_volumes(data_dir)
     _validate(data_dir, volumes, block_size, bytes_per_checksum, replication, rename_mode)
     policy = PolicySuite().get(default_policy)  # ValueError for an unknown name
-    data_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FsError(exc.errno or errno.EIO,
+                      f"cannot create {data_dir}: {exc.strerror or exc}") from None
     fs_uuid = str(uuidlib.uuid4())
     configs = []
-    for volume_id, spec in enumerate(volumes, start=1):
-        vol = Volume.format(spec.path, fs_uuid=fs_uuid, volume_id=volume_id,
-                            storage_type=spec.storage_type, capacity=spec.capacity)
-        configs.append(VolumeConfig(volume_id, vol.uuid, spec.storage_type.name,
-                                    _recorded_path(data_dir, vol.path), spec.capacity))
-    config = FsConfig(fs_uuid=fs_uuid, block_size=block_size,
-                      bytes_per_checksum=bytes_per_checksum, replication=replication,
-                      default_policy=policy.name, rename_mode=rename_mode, volumes=configs)
-    ns = Namespace.create(data_dir / NAMESPACE_DIR, config, uid=os.getuid(), gid=os.getgid(),
-                          now_ns=time.time_ns())
-    ns.close()
+    made: list[Path] = []
+    try:
+        for volume_id, spec in enumerate(volumes, start=1):
+            existed = os.path.exists(spec.path)
+            vol = Volume.format(spec.path, fs_uuid=fs_uuid, volume_id=volume_id,
+                                storage_type=spec.storage_type, capacity=spec.capacity)
+            made.append((vol.path, existed))
+            configs.append(VolumeConfig(volume_id, vol.uuid, spec.storage_type.name,
+                                        _recorded_path(data_dir, vol.path), spec.capacity))
+        config = FsConfig(fs_uuid=fs_uuid, block_size=block_size,
+                          bytes_per_checksum=bytes_per_checksum, replication=replication,
+                          default_policy=policy.name, rename_mode=rename_mode, volumes=configs)
+        ns = Namespace.create(data_dir / NAMESPACE_DIR, config, uid=os.getuid(),
+                              gid=os.getgid(), now_ns=time.time_ns())
+        ns.close()
+    except BaseException:
+        _undo_volumes(made)
+        raise
     return config
+
+
+def _undo_volumes(made) -> None:
+    """A failed mkfs leaves no half-made volumes behind, so it can simply be run again."""
+    for path, existed in made:
+        if existed:
+            for entry in os.listdir(path):
+                target = os.path.join(path, entry)
+                shutil.rmtree(target) if os.path.isdir(target) else os.unlink(target)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _recorded_path(data_dir: Path, path: Path) -> str:
@@ -111,6 +134,8 @@ def _validate(data_dir: Path, volumes: list[VolumeSpec], block_size: int, bpc: i
               replication: int, rename_mode: str) -> None:
     if is_filesystem(data_dir):
         raise FsError(errno.EEXIST, f"{data_dir} already holds a tierfs filesystem")
+    if data_dir.exists() and not data_dir.is_dir():
+        raise FsError(errno.ENOTDIR, f"{data_dir} exists and is not a directory")
     if not 512 <= bpc <= 1 << 20:
         raise UsageError("--bytes-per-checksum must be between 512 and 1M")
     if block_size < bpc or block_size % bpc:
