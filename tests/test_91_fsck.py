@@ -479,7 +479,8 @@ def test_directory_loop_is_broken_into_lost_and_found(plain, capsys):
         txn.delete(schema.backlink_key(d.ino, ROOT_INO, b"d"), db=db("backlinks"))
         txn.put(schema.dentry_key(sub.ino, b"loop"), schema.dentry_value(d.ino, sub.next_cookie),
                 db=db("dentries"))
-        txn.put(schema.cookie_key(sub.ino, sub.next_cookie), b"loop", db=db("dircookies"))
+        txn.put(schema.cookie_key(sub.ino, sub.next_cookie), schema.cookie_value(d.ino, b"loop"),
+                db=db("dircookies"))
         txn.put(schema.backlink_key(d.ino, sub.ino, b"loop"), b"", db=db("backlinks"))
         sub.next_cookie += 1
         d.parent = sub.ino
@@ -650,6 +651,13 @@ def damage_missing_cookie_row(nodes, txn, db):
     txn.delete(schema.cookie_key(ROOT_INO, cookie), db=db("dircookies"))
 
 
+def damage_cookie_row_names_another_inode(nodes, txn, db):
+    _, cookie = schema.parse_dentry_value(
+        txn.get(schema.dentry_key(ROOT_INO, b"x"), db=db("dentries")))
+    txn.put(schema.cookie_key(ROOT_INO, cookie), schema.cookie_value(nodes["/big"].ino, b"x"),
+            db=db("dircookies"))
+
+
 def damage_missing_backlink(nodes, txn, db):
     txn.delete(schema.backlink_key(nodes["/x"].ino, ROOT_INO, b"x"),
                db=db("backlinks"))
@@ -665,7 +673,8 @@ def damage_directory_hard_link(nodes, txn, db):
     sub, root = nodes["/d/sub"], nodes["/"]
     txn.put(schema.dentry_key(ROOT_INO, b"sub2"), schema.dentry_value(sub.ino, root.next_cookie),
             db=db("dentries"))
-    txn.put(schema.cookie_key(ROOT_INO, root.next_cookie), b"sub2", db=db("dircookies"))
+    txn.put(schema.cookie_key(ROOT_INO, root.next_cookie), schema.cookie_value(sub.ino, b"sub2"),
+            db=db("dircookies"))
     txn.put(schema.backlink_key(sub.ino, ROOT_INO, b"sub2"), b"", db=db("backlinks"))
     root.next_cookie += 1
     root.nlink += 1
@@ -718,6 +727,7 @@ def rewrite_fields(inode: Inode, **fields) -> Inode:
     (damage_orphan_left_by_dead_daemon, {"ORPHAN_PENDING"}),
     (damage_orphan_with_nlink, {"ORPHAN_NLINK"}),
     (damage_missing_cookie_row, {"MISSING_COOKIE"}),
+    (damage_cookie_row_names_another_inode, {"MISSING_COOKIE"}),
     (damage_missing_backlink, {"MISSING_BACKLINK"}),
     (damage_next_cookie, {"BAD_NEXT_COOKIE"}),
     (damage_directory_hard_link, {"DIR_HARDLINK"}),

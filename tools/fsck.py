@@ -108,6 +108,14 @@ VERIFY_SPAN = 4 << 20
 """Bytes verified per read: big enough to be fast, small enough for RAM."""
 
 MAX_REPAIR_PASSES = 5
+
+ORPHAN_GRACE = 60.0
+"""Beside a daemon, replica files younger than this (ctime) are not called orphans: a new
+block's files exist, and are fsynced, before the namespace records them, and on a loaded
+machine that can outlast both passes of the check."""
+
+SCAN_ATTEMPTS = 5
+"""Beside a daemon a file can vanish between listing a directory and its stat: rescan."""
 LOST_FOUND = b"lost+found"
 
 # Listing levels (--files, --blocks, --locations).
@@ -330,7 +338,7 @@ class Snapshot:
     state: str
     inodes: dict[int, Inode]
     dentries: dict[tuple[int, bytes], tuple[int, int]]
-    cookies: dict[tuple[int, int], bytes]
+    cookies: dict[tuple[int, int], tuple[int, bytes]]
     backlinks: set[tuple[int, int, bytes]]
     symlinks: dict[int, bytes]
     blocks: dict[tuple[int, int], BlockRecord]
@@ -381,7 +389,7 @@ class Snapshot:
                 dentries=decode("dentries", lambda r: {
                     schema.split_dentry_key(k): schema.parse_dentry_value(v) for k, v in r}),
                 cookies=decode("dircookies", lambda r: {
-                    schema.split_cookie_key(k): v for k, v in r}),
+                    schema.split_cookie_key(k): schema.parse_cookie_value(v) for k, v in r}),
                 backlinks=decode("backlinks", lambda r: {
                     schema.split_backlink_key(k) for k, _ in r}),
                 symlinks=decode("symlinks", lambda r: {schema.read_u64(k): v for k, v in r}),
@@ -507,6 +515,16 @@ class Found:
 
 def scan_volume(volume: Volume) -> tuple[dict[int, Found], list[Path]]:
     """Replica files by block id, and files that are not where the layout puts them."""
+    for attempt in range(SCAN_ATTEMPTS):
+        try:
+            return _scan_volume_once(volume)
+        except FileNotFoundError:
+            if attempt == SCAN_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _scan_volume_once(volume: Volume) -> tuple[dict[int, Found], list[Path]]:
     found: dict[int, Found] = {}
     misplaced: list[Path] = []
     for info in volume.iter_replicas():
@@ -702,9 +720,9 @@ class _Checker:
                 self.problem("DANGLING_DENTRY", where, f"names inode {child}, which does "
                              "not exist", (parent, name), ("remove_dentry", parent, name, "dangling"))
                 continue
-            if snap.cookies.get((parent, cookie)) != name:
+            if snap.cookies.get((parent, cookie)) != (child, name):
                 self.problem("MISSING_COOKIE", where, f"readdir cookie {cookie} has no "
-                             "matching dircookies row", (parent, name),
+                             f"dircookies row naming inode {child}", (parent, name),
                              ("fix_cookie", parent, name))
             if (child, parent, name) not in snap.backlinks:
                 self.problem("MISSING_BACKLINK", where, f"inode {child} has no backlink "
@@ -718,7 +736,7 @@ class _Checker:
                          "cookie in use", (parent,), ("fix_next_cookie", parent))
 
     def check_cookie_rows(self) -> None:
-        for (parent, cookie), name in self.snap.cookies.items():
+        for (parent, cookie), (_, name) in self.snap.cookies.items():
             entry = self.snap.dentries.get((parent, name))
             if entry is None or entry[1] != cookie:
                 self.problem("STRAY_COOKIE", self.snap.entry_path(parent, name),
@@ -1116,6 +1134,9 @@ class _Checker:
             self._check_tmp(volume)
 
     def _orphan(self, volume: Volume, bid: int | None, paths: list[str], text: str) -> None:
+        if self.mounted and _newest_ctime(paths) > time.time() - ORPHAN_GRACE:
+            self.note(f"{volume.path}: {text}: recent files, maybe a block being created")
+            return
         self.report.stats.orphan_replicas += 1
         self.problem("ORPHAN_REPLICA", str(volume.path), f"{text} ({', '.join(paths)})",
                      (volume.id, bid, *paths), ("delete_paths", volume.id, bid, paths))
@@ -1225,10 +1246,15 @@ class _Rows:
         child, cookie = self.dentry(parent, name)
         self.txn.delete(schema.dentry_key(parent, name), db=self.db["dentries"])
         cookie_key = schema.cookie_key(parent, cookie)
-        if self.txn.get(cookie_key, db=self.db["dircookies"]) == name:
+        if self.cookie_row(parent, cookie)[1:] == (name,):
             self.txn.delete(cookie_key, db=self.db["dircookies"])
         self.txn.delete(schema.backlink_key(child, parent, name), db=self.db["backlinks"])
         return child
+
+    def cookie_row(self, parent: int, cookie: int) -> tuple[int, bytes] | tuple[()]:
+        """(child, name) of a dircookies row, or () when there is none."""
+        raw = self.txn.get(schema.cookie_key(parent, cookie), db=self.db["dircookies"])
+        return () if raw is None else schema.parse_cookie_value(raw)
 
     def free_cookie(self, parent: Inode) -> int:
         """The directory's next cookie, skipping any a damaged ``next_cookie`` left in use."""
@@ -1243,7 +1269,8 @@ class _Rows:
         parent.next_cookie = cookie + 1
         self.txn.put(schema.dentry_key(parent.ino, name), schema.dentry_value(child, cookie),
                      db=self.db["dentries"])
-        self.txn.put(schema.cookie_key(parent.ino, cookie), name, db=self.db["dircookies"])
+        self.txn.put(schema.cookie_key(parent.ino, cookie), schema.cookie_value(child, name),
+                     db=self.db["dircookies"])
         self.txn.put(schema.backlink_key(child, parent.ino, name), b"",
                      db=self.db["backlinks"])
         self.put_inode(parent)
@@ -1360,12 +1387,11 @@ class _Repairer:
 
     def fix_delete_cookie(self, parent: int, cookie: int) -> str:
         def body(rows: _Rows) -> str:
-            key = schema.cookie_key(parent, cookie)
-            name = rows.txn.get(key, db=rows.db["dircookies"])
-            entry = None if name is None else rows.dentry(parent, bytes(name))
-            if name is None or (entry and entry[1] == cookie):
+            row = rows.cookie_row(parent, cookie)
+            entry = rows.dentry(parent, row[1]) if row else None
+            if not row or (entry and entry[1] == cookie):
                 raise _Unchanged("no longer stray")
-            rows.txn.delete(key, db=rows.db["dircookies"])
+            rows.txn.delete(schema.cookie_key(parent, cookie), db=rows.db["dircookies"])
             return "row deleted"
         return self._txn(("delete_cookie", parent, cookie), body)
 
@@ -1389,23 +1415,25 @@ class _Repairer:
         return self._txn(("add_backlink", child, parent, name), body)
 
     def fix_fix_cookie(self, parent: int, name: bytes) -> str:
-        """Give the entry its dircookies row, with a fresh cookie if its own is taken."""
+        """Give the entry its dircookies row, with a fresh cookie if another name holds its
+        own; a row with the right name but the wrong inode is corrected in place."""
         def body(rows: _Rows) -> str:
             entry = rows.dentry(parent, name)
             if entry is None:
                 raise _Unchanged("the entry is gone")
             child, cookie = entry
-            held = rows.txn.get(schema.cookie_key(parent, cookie), db=rows.db["dircookies"])
-            if held == name:
+            held = rows.cookie_row(parent, cookie)
+            if held == (child, name):
                 raise _Unchanged("the row exists")
             pinode = rows.inode(parent)
-            if held is not None or cookie < schema.FIRST_COOKIE:
+            if (held and held[1] != name) or cookie < schema.FIRST_COOKIE:
                 cookie = rows.free_cookie(pinode)
                 rows.txn.put(schema.dentry_key(parent, name),
                              schema.dentry_value(child, cookie), db=rows.db["dentries"])
             pinode.next_cookie = max(pinode.next_cookie, cookie + 1)
             rows.put_inode(pinode)
-            rows.txn.put(schema.cookie_key(parent, cookie), name, db=rows.db["dircookies"])
+            rows.txn.put(schema.cookie_key(parent, cookie), schema.cookie_value(child, name),
+                         db=rows.db["dircookies"])
             return f"cookie {cookie} recorded"
         return self._txn(("fix_cookie", parent, name), body)
 
@@ -1684,6 +1712,17 @@ class _Repairer:
         return "deleted"
 
 
+def _newest_ctime(paths: list[str]) -> float:
+    """Newest ctime among files (a vanished one counts as new: it was just deleted)."""
+    newest = 0.0
+    for path in paths:
+        try:
+            newest = max(newest, os.stat(path).st_ctime)
+        except FileNotFoundError:
+            return time.time()
+    return newest
+
+
 def _unlink(path: Path) -> None:
     try:
         os.unlink(path)
@@ -1805,15 +1844,25 @@ class Fsck:
         except (FsError, lmdb.Error) as exc:
             raise UsageError(f"cannot open the namespace of {self.data_dir}: {exc}") from None
         try:
-            try:
-                volumes = VolumeSet.open(self.data_dir, ns.config.fs_uuid, ns.config.volumes)
-            except (FsError, ValueError) as exc:
-                raise UsageError(f"cannot check {self.data_dir}: {exc}") from None
-            yield ns, volumes
+            yield ns, self._open_volumes(ns)
         except lmdb.Error as exc:
             raise UsageError(f"namespace of {self.data_dir} is unreadable: {exc}") from None
         finally:
             ns.close()
+
+
+    def _open_volumes(self, ns: Namespace) -> VolumeSet:
+        """Open every volume (identity checked); rescans when a daemon deletes a file while
+        the volume counts its bytes."""
+        for attempt in range(SCAN_ATTEMPTS):
+            try:
+                return VolumeSet.open(self.data_dir, ns.config.fs_uuid, ns.config.volumes)
+            except (FsError, ValueError) as exc:
+                raise UsageError(f"cannot check {self.data_dir}: {exc}") from None
+            except FileNotFoundError:
+                if attempt == SCAN_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
 
 
 def _file_id(path: Path) -> tuple[int, int, int]:
