@@ -275,7 +275,14 @@ def test_read_only_names_and_invalid_values(mounted):
     assert r.returncode != 0 and "Invalid argument" in r.stderr
     assert get(mnt / "d/f") == "COLD"
     os.setxattr(mnt / "d", POLICY, b"LAZY_PERSIST")
-    assert get(mnt / "d") == "LAZY_PERSIST"
+    assert get(mnt / "d") == get(mnt / "d/f") == "LAZY_PERSIST"
+    # A file created under it records it and keeps it (HDFS: "Existing policy LAZY_PERSIST
+    # cannot be changed after file creation").
+    (mnt / "d/new").write_bytes(b"x")
+    assert get(mnt / "d/new") == "LAZY_PERSIST" and source_of(mnt / "d/new") == "/d/new"
+    expect_errno(errno.EINVAL, os.setxattr, mnt / "d/new", POLICY, b"HOT")
+    expect_errno(errno.EINVAL, os.removexattr, mnt / "d/new", POLICY)
+    assert get(mnt / "d/new") == "LAZY_PERSIST"
 
 
 def test_permissions_of_other_users(mounted):

@@ -127,6 +127,12 @@ def test_policy_failures_exit_2_with_one_line(mounted, tmp_path):
            "Cannot find a block policy with the name NOSUCH")
     failed(tool("policy", "set", "d/f", "lazy_persist", cwd=mnt), 2,
            "Policy LAZY_PERSIST cannot be set after file creation.")
+    (mnt / "lazy").mkdir()
+    assert tool("policy", "set", "lazy", "LAZY_PERSIST", cwd=mnt).returncode == 0
+    (mnt / "lazy/f").write_bytes(b"x")
+    for args in (["set", "lazy/f", "HOT"], ["unset", "lazy/f"]):
+        failed(tool("policy", *args, cwd=mnt), 2,
+               "Existing policy LAZY_PERSIST cannot be changed after file creation.")
     failed(tool("policy", "set", "d/fifo", "HOT", cwd=mnt), 2,
            "only regular files and directories have a storage policy")
     assert tool("policy", "get", "d", cwd=mnt).stdout.endswith("is unspecified\n")
@@ -369,3 +375,18 @@ def test_report_counts_many_files(tmp_path):
     assert report["blocks"] == 0 and report["satisfying"] == [] == report["not_satisfying"]
     text = tool("report", str(data)).stdout
     assert "All blocks satisfy specified storage policy." in text
+
+    # A volume that cannot be opened is reported as such; the rest of the report stands.
+    (data / "archive").rename(data / "archive.away")
+    r = tool("report", str(data), "--json")
+    assert r.returncode == 0
+    report = json.loads(r.stdout)
+    archive = report["volumes"][2]
+    assert archive["storage_type"] == "ARCHIVE" and "is missing" in archive["error"]
+    assert archive["capacity"] is archive["used"] is archive["free"] is None
+    assert report["storage_types"]["ARCHIVE"] == {"volumes": 1, "capacity": None,
+                                                  "used": None, "free": None,
+                                                  "replicas": 0, "unavailable": 1}
+    assert report["total"]["unavailable"] == 1 and report["files"] == 3000
+    text = tool("report", str(data)).stdout
+    assert "UNAVAILABLE: volume" in text and "(1 unavailable)" in text

@@ -86,9 +86,9 @@ class VolumeRow:
 @dataclass
 class SpaceRow:
     volumes: int = 0
-    capacity: int = 0
-    used: int = 0
-    free: int = 0
+    capacity: int | None = None     # None when none of the volumes could be opened
+    used: int | None = None
+    free: int | None = None
     replicas: int = 0
     unavailable: int = 0            # volumes that could not be opened
 
@@ -492,9 +492,8 @@ def render(report: Report) -> str:
     out.append(f"{'Type':<10}" + head[10:])
     rows = list(report.storage_types.items()) + [("Total", report.total)]
     for name, row in rows:
-        used = row.used if row.volumes > row.unavailable else None
         out.append(f"{name:<10} {row.volumes:>7} {human(row.capacity):>12} "
-                   f"{human(used):>12} {human(row.free):>12} "
+                   f"{human(row.used):>12} {human(row.free):>12} "
                    f"{_percent(row.used, row.capacity):>7} {row.replicas:>10}"
                    + (f"  ({row.unavailable} unavailable)" if row.unavailable else ""))
     out.append("")
