@@ -343,6 +343,27 @@ def test_stale_replica_dropped_when_another_is_current(replicated, capsys):
     assert_repairs(replicated, {"STALE_REPLICA"}, capsys)
 
 
+def test_newer_replica_without_a_lease(replicated, capsys):
+    rec = blocks_at(replicated, "/g")[0]
+    _, meta_file = replica_files(replicated / "d2", rec.block_id)
+    meta_file.rename(meta_file.with_name(f"blk_{rec.block_id}_{rec.gs + 1}.meta"))
+    code, out, _ = fsck(replicated, capsys=capsys)
+    assert f"generation stamp {rec.gs + 1} is newer than the namespace's {rec.gs}" in out
+    assert_repairs(replicated, {"NEWER_REPLICA"}, capsys)
+
+
+def test_replica_files_outside_their_layout_directory(replicated, capsys):
+    rec = blocks_at(replicated, "/g")[0]
+    elsewhere = replicated / "d1" / "current" / "finalized" / "subdir9" / "subdir9"
+    elsewhere.mkdir(parents=True)
+    for path in replica_files(replicated / "d1", rec.block_id):
+        path.rename(elsewhere / path.name)
+    code, out, _ = fsck(replicated, capsys=capsys)
+    assert "is outside its layout directory" in out and "Orphan replicas:\t2" in out
+    assert_repairs(replicated, {"ORPHAN_REPLICA", "MISSING_REPLICA"}, capsys)
+    assert not list(elsewhere.iterdir())
+
+
 def test_short_replica_has_wrong_length(replicated, capsys):
     rec = blocks_at(replicated, "/f")[0]
     data_file, _ = replica_files(replicated / "d2", rec.block_id)
@@ -515,18 +536,23 @@ def test_counters_behind(plain, capsys):
 def test_lease_left_by_a_killed_daemon(plain, tmp_path, capsys):
     payload = os.urandom(300_000)
     mount = Mount(plain, tmp_path / "mnt").start()
-    f = open(mount.mountpoint / "w", "wb")
-    f.write(payload)
-    f.flush()
-    os.fsync(f.fileno())
+    handles = [open(mount.mountpoint / name, "wb") for name in ("w", "gone")]
+    for f in handles:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+    os.unlink(mount.mountpoint / "gone")
+    gone = os.fstat(handles[1].fileno()).st_ino
     mount.kill()
-    try:
-        f.close()
-    except OSError:
-        pass           # the daemon is gone; the kernel may report it
+    for f in handles:
+        try:
+            f.close()
+        except OSError:
+            pass       # the daemon is gone; the kernel may report it
     code, out, _ = fsck(plain, capsys=capsys)
-    assert {"LEASE_PENDING", "UNCLEAN_STATE"} <= kinds(out), out
+    assert kinds(out) == {"LEASE_PENDING", "ORPHAN_PENDING", "UNCLEAN_STATE"}, out
     assert "/w: lease left by a dead daemon" in out
+    assert f"ORPHAN_PENDING: <inode {gone}>: unlinked inode left by a dead daemon" in out
     code, out, _ = fsck(plain, "--repair", capsys=capsys)
     assert code == 1 and out.rstrip().endswith("is HEALTHY"), out
     assert fsck_process(plain).returncode == 0
