@@ -80,7 +80,6 @@ import stat
 import struct
 import sys
 import time
-from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1315,7 +1314,7 @@ class _Repairer:
                 problem.outcome = "repaired: " + getattr(self, f"fix_{name}")(*args)
                 problem.repaired = True
             except _Unchanged as exc:
-                problem.outcome = f"unchanged: {exc}"
+                problem.outcome = f"repaired by an earlier fix: {exc}"
                 problem.repaired = True
             except FsError as exc:
                 problem.outcome = f"not repaired: {exc}"
@@ -1895,5 +1894,10 @@ def run_fsck(args) -> int:
             text, code = report.render(), 0 if report.healthy else 1
     finally:
         progress.close()
-    print(text, flush=True)
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # The reader (``| head``) left: the exit code still tells the verdict. Point
+        # stdout at /dev/null so that the interpreter's final flush stays quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return code
