@@ -146,6 +146,7 @@ def shutdown(ops: Operations, blockio: BlockIO, ns: Namespace) -> None:
 
 async def serve(ops: Operations, blockio: BlockIO, ns: Namespace, mountpoint: str) -> None:
     async with trio.open_nursery() as nursery:
+        ops.nursery = nursery
         nursery.start_soon(_tick, blockio, ns)
         nursery.start_soon(_signals)
         nursery.start_soon(_tune_after_init, ops, mountpoint)

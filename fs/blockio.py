@@ -341,7 +341,7 @@ class BlockIO:
     def _write_new_block(self, of: OpenFile, index: int, boff: int, piece) -> None:
         """Create the replicas (durably: files and directory fsynced), write the first data,
         then record the block. The data itself becomes durable on fsync, like any write."""
-        volumes = self.placer(of.ino, boff + len(piece))
+        volumes = self.placer(of.ino, self.block_size)
         block_id = self.ns.reserve("next_block_id")
         gs = self.ns.reserve("gs")
         replicas: list[Replica] = []

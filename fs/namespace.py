@@ -511,6 +511,13 @@ class Namespace:
                 if len(inos) > 100_000:
                     raise FsError(errno.EIO, f"parent loop above inode {inos[0]}")
 
+    def policy_stamp(self, ino: int) -> inherited.Op | None:
+        """The file's own copy-on-create policy (HDFS file header), if it has one."""
+        with self.env.begin() as txn:
+            raw = txn.get(schema.inherited_key(ino, Inherited.POLICY_STAMP),
+                          db=self.db["inherited"])
+        return None if raw is None else inherited.Op.from_bytes(bytes(raw))
+
     def orphans(self) -> list[int]:
         with self.env.begin() as txn:
             return [schema.read_u64(k) for k in
@@ -571,7 +578,7 @@ class Namespace:
             if target is not None:
                 txn.put(u64(ino), target, db=self.db["symlinks"])
             if stamp_policy is not None:
-                self._put_op(txn, ino, Inherited.POLICY,
+                self._put_op(txn, ino, Inherited.POLICY_STAMP,
                              inherited.Op(stamp_policy, (w.txid,), w.txid, explicit=False))
             w.args = (parent, name, ino, mode, uid, gid, rdev, target, stamp_policy)
             return inode

@@ -90,6 +90,7 @@ class Operations(pyfuse3.Operations):
         self.dir_handles: dict[int, int] = {}
         self._next_fh = 1
         self.initialized = trio.Event()
+        self.nursery: trio.Nursery | None = None  # background work, set by the mount
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -330,7 +331,19 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def write(self, fh, off, buf):
-        return self.blockio.write(self.handles[fh].of, off, buf)
+        of = self.handles[fh].of
+        try:
+            return self.blockio.write(of, off, buf)
+        except FsError:
+            self._invalidate_later(of.ino)
+            raise
+
+    def _invalidate_later(self, ino: int) -> None:
+        """A write failed: with writeback caching the kernel still holds the pages and the
+        size it assumed, so it must forget them and ask again. Invalidation can wait for
+        writeback, which needs this daemon: it runs in a thread, not awaited here."""
+        if self.nursery is not None:
+            self.nursery.start_soon(trio.to_thread.run_sync, _invalidate_inode, ino)
 
     @handler
     async def flush(self, fh):
@@ -447,6 +460,13 @@ class _NoUmask:
 
     def __init__(self, ctx):
         self.uid, self.gid, self.pid, self.umask = ctx.uid, ctx.gid, ctx.pid, 0
+
+
+def _invalidate_inode(ino: int) -> None:
+    try:
+        pyfuse3.invalidate_inode(ino)
+    except OSError as exc:
+        log.info("kernel cache of inode %d not invalidated: %s", ino, exc)
 
 
 def _groups(pid: int) -> set[int]:

@@ -51,7 +51,12 @@ EffectivePlacement = Callable[[int], tuple[BlockStoragePolicy, int]]
 
 
 class Placer:
-    """The ``BlockIO`` placement callback: effective policy of the inode, then volumes."""
+    """The ``BlockIO`` placement callback: effective policy of the inode, then volumes.
+
+    A volume qualifies only with room for a whole block (``nbytes`` is the block size), as
+    HDFS's ``chooseStorage4Block`` requires: a block placed on a nearly full volume would
+    fail with ENOSPC half-way through although other allowed volumes have room.
+    """
 
     def __init__(self, volumes: VolumeSet, effective: EffectivePlacement):
         self.volumes = volumes

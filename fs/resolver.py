@@ -27,7 +27,13 @@ class Resolver:
         return inos, [None if r is None else Op.from_bytes(r) for r in raw]
 
     def resolve(self, ino: int, attr: int) -> tuple[Resolved, list[int]]:
+        """The effective value; a file's copy-on-create stamp (LAZY_PERSIST) always wins, as
+        a policy in an HDFS file header does."""
         inos, ops = self.chain(ino, attr)
+        if attr == ATTR_POLICY:
+            stamp = self.ns.policy_stamp(ino)
+            if stamp is not None:
+                return Resolved(stamp.value, 0, stamp.order[0], False), inos
         return resolve(ops, self.mode), inos
 
     def policy(self, ino: int) -> BlockStoragePolicy:

@@ -44,7 +44,10 @@ Databases (name: key -> value):
 ``inherited``
     ino u64 + attr u8 -> op bytes (``tierfs.fs.inherited.Op``): the TxID-ordered operations
     that decide inherited xattrs (storage policy, replication). At most one per inode and
-    attribute; setting a value on a directory writes one row whatever its size.
+    attribute; setting a value on a directory writes one row whatever its size. Attribute
+    ``POLICY_STAMP`` is different: a file's own copy-on-create policy (LAZY_PERSIST), kept
+    like HDFS keeps it in the file header: outside the ordered ops, so neither a later set
+    on an ancestor nor a rename changes it.
 ``satisfier``
     txid u64 + ino u64 -> reason u8. Subtree roots whose effective policy or replication
     changed, written in the transaction that changed it.
@@ -200,6 +203,7 @@ class Inherited:
     POLICY = 1
     REPLICATION = 2
     ALL = (1, 2)
+    POLICY_STAMP = 3
 
 
 class SatisfyReason:
