@@ -34,7 +34,8 @@ Mounted filesystems
     and ``tmp/`` files are then in use: they are reported as notes. Blocks under a lease are
     not verified (their writer changes them). Anything found in the volumes is checked a
     second time, and only what both passes found is reported, so a block created or moved
-    during the check is not mistaken for damage.
+    during the check is not mistaken for damage; replica files younger than a minute are
+    not called orphans (a new block's files exist before the namespace records them).
 
 PATH
     Resolved in the namespace from the root (``/``, ``/a/b``). It limits the file checks
@@ -59,7 +60,10 @@ Output
     HDFS-like: a header, the ``--files`` listing, one line per problem (``KIND: where: what``,
     with ``[repaired: ...]`` or ``[not repaired: ...]`` after a repair), notes, then the
     summary (``Status``, ``Total size``, ...) and last ``The filesystem under path 'P' is
-    HEALTHY`` (or ``CORRUPT``). Progress goes to stderr: a tqdm bar on a terminal, else a
+    HEALTHY`` (or ``CORRUPT``). ``--files`` lists each file once (by one of its names)
+    with its size and block count, ``--blocks`` adds ``blk_<id>_<gs> len=<n>`` per block,
+    ``--locations`` adds ``[<volume path>,<volume uuid>,<STORAGE_TYPE>]`` per replica (each
+    implies the ones before). Progress goes to stderr: a tqdm bar on a terminal, else a
     status line every few seconds.
 
 Exit codes
