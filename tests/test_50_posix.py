@@ -20,6 +20,7 @@ import ctypes
 import errno
 import os
 import pickle
+import random
 import shutil
 import socket
 import stat
@@ -236,6 +237,10 @@ def _permission_scenario(base: Path) -> dict:
     os.chmod(base / "pub", 0o777)
     write_file(base / "shared", b"shared", 0o666)
     os.chmod(base / "shared", 0o666)
+    (base / "pub" / "rootsub").mkdir()
+    os.chmod(base / "pub" / "rootsub", 0o755)
+    (base / "pub2").mkdir()
+    os.chmod(base / "pub2", 0o777)
     r = {
         "read secret": user_errno(base, lambda: read_file("secret")),
         "write secret": user_errno(base, lambda: os.open("secret", os.O_WRONLY)),
@@ -253,6 +258,10 @@ def _permission_scenario(base: Path) -> dict:
         "set times not owner": user_errno(base, lambda: os.utime("shared", ns=(1, 2))),
         "truncate without write": user_errno(base, lambda: os.truncate("ro/inside", 0)),
         "create in pub": user_errno(base, lambda: write_file("pub/mine", b"mine", 0o644)),
+        # Moving a directory to another parent rewrites its "..": needs write access to it.
+        "move foreign dir": user_errno(base, lambda: os.rename("pub/rootsub", "pub2/sub")),
+        "rename foreign dir in place": user_errno(base, lambda: os.rename("pub/rootsub",
+                                                                          "pub/renamed")),
     }
     st = os.stat(base / "pub" / "mine")
     r["owner of new file"] = (st.st_uid, st.st_gid)
@@ -284,6 +293,8 @@ def test_permissions_of_an_unprivileged_user(mnt, ref):
     assert r["touch with write access"] == 0
     assert r["set times not owner"] == errno.EPERM
     assert r["create in pub"] == 0
+    assert r["move foreign dir"] == errno.EACCES
+    assert r["rename foreign dir in place"] == 0
     assert r["owner of new file"] == (NOBODY, NOBODY)
     # Owner: cannot give the file away, nor chgrp to a group it is not in; can to its own.
     assert r["own file ops"] == (errno.EPERM, errno.EPERM, 0, 0)
@@ -1284,3 +1295,79 @@ def test_metadata_is_the_same_after_a_remount(mounted):
     assert set(after) == set(before)
     assert os.getxattr(mnt / "xattred", "user.k") == b"v"
     assert read_file(mnt / "d" / "written") == b"w" * 5000 + b"more"
+
+
+# --- random namespace operations against ext4 ----------------------------------------------------
+
+_DIRS = ["", "a", "a/b", "c", "a/b/d"]
+_NAMES = ["x", "y", "z", "a", "b", "c", "d"]
+_OPS = ["create", "mkdir", "unlink", "rmdir", "rename", "rename", "noreplace", "exchange",
+        "link", "symlink", "write"]
+
+
+def _random_namespace_ops(base: Path, seed: int, steps: int) -> list:
+    """Random operations on a small tree of colliding names; the outcome of each."""
+    rng = random.Random(seed)
+    outcomes = []
+    for _ in range(steps):
+        op = rng.choice(_OPS)
+        a = os.path.join(base, rng.choice(_DIRS), rng.choice(_NAMES))
+        b = os.path.join(base, rng.choice(_DIRS), rng.choice(_NAMES))
+        try:
+            if op == "create":
+                os.close(os.open(a, os.O_CREAT | os.O_WRONLY, 0o644))
+            elif op == "mkdir":
+                os.mkdir(a)
+            elif op == "unlink":
+                os.unlink(a)
+            elif op == "rmdir":
+                os.rmdir(a)
+            elif op == "rename":
+                os.rename(a, b)
+            elif op == "noreplace":
+                renameat2(a, b, RENAME_NOREPLACE)
+            elif op == "exchange":
+                renameat2(a, b, RENAME_EXCHANGE)
+            elif op == "link":
+                os.link(a, b)
+            elif op == "symlink":
+                os.symlink("target", a)
+            else:
+                append_to(a, b"w" * rng.randint(1, 100))
+            result = 0
+        except OSError as exc:
+            result = errno.errorcode[exc.errno]
+        outcomes.append((op, os.path.relpath(a, base), os.path.relpath(b, base), result))
+    return outcomes
+
+
+def _tree(base: Path) -> tuple[dict, set]:
+    """Every path's (type, nlink, size) and which paths are hard links of one inode."""
+    entries, by_ino = {}, {}
+    for root, dirs, files in os.walk(base):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            st = os.lstat(path)
+            rel = os.path.relpath(path, base)
+            size = 0 if stat.S_ISDIR(st.st_mode) else st.st_size
+            entries[rel] = (stat.S_IFMT(st.st_mode), st.st_nlink, size)
+            by_ino.setdefault(st.st_ino, set()).add(rel)
+    return entries, {frozenset(paths) for paths in by_ino.values()}
+
+
+def test_random_namespace_operations_match_ext4(mounted, ref):
+    mnt = mounted.mountpoint
+    seeds = range(10)
+    for seed in seeds:
+        for base in (mnt / f"s{seed}", ref / f"s{seed}"):
+            os.makedirs(base / "a" / "b" / "d")
+            os.mkdir(base / "c")
+        got = _random_namespace_ops(mnt / f"s{seed}", seed, 300)
+        want = _random_namespace_ops(ref / f"s{seed}", seed, 300)
+        for step, (g, w) in enumerate(zip(got, want)):
+            assert g == w, f"seed {seed} step {step}: tierfs {g}, ext4 {w}"
+        assert _tree(mnt / f"s{seed}") == _tree(ref / f"s{seed}"), f"seed {seed}"
+    mounted.stop()
+    mounted.start()
+    for seed in seeds:
+        assert _tree(mnt / f"s{seed}") == _tree(ref / f"s{seed}"), f"seed {seed} remounted"
