@@ -390,7 +390,7 @@ class Volume:
         for leaf in self._leaf_dirs():
             for entry in _scandir(leaf):
                 if entry.name.startswith("blk_") and entry.is_file(follow_symlinks=False):
-                    total += entry.stat(follow_symlinks=False).st_size
+                    total += _size_or_none(entry) or 0
         return total
 
     # ------------------------------------------------------------------ internals
@@ -515,14 +515,16 @@ def _replicas_in(leaf: str) -> Iterator[ReplicaInfo]:
         name = entry.name
         if not name.startswith("blk_") or not entry.is_file(follow_symlinks=False):
             continue
+        size = _size_or_none(entry)
+        if size is None:
+            continue  # deleted since the listing (a daemon beside us deletes replicas)
         m = _DATA_NAME.fullmatch(name)
         if m:
-            data[int(m.group(1))] = (Path(entry.path), entry.stat(follow_symlinks=False).st_size)
+            data[int(m.group(1))] = (Path(entry.path), size)
             continue
         m = _META_NAME.fullmatch(name)
         if m:
-            gs_entry = (int(m.group(2)), Path(entry.path), entry.stat(follow_symlinks=False).st_size)
-            metas.setdefault(int(m.group(1)), []).append(gs_entry)
+            metas.setdefault(int(m.group(1)), []).append((int(m.group(2)), Path(entry.path), size))
     for block_id in sorted(data.keys() | metas.keys()):
         data_path, length = data.get(block_id, (None, 0))
         found = sorted(metas.get(block_id, ()), key=lambda t: t[0])
@@ -530,6 +532,14 @@ def _replicas_in(leaf: str) -> Iterator[ReplicaInfo]:
             yield ReplicaInfo(block_id, None, data_path, None, length)
         for gs, meta_path, meta_length in found:
             yield ReplicaInfo(block_id, gs, data_path, meta_path, length, meta_length)
+
+
+def _size_or_none(entry: os.DirEntry) -> int | None:
+    """A listed file's size, or None if it was deleted between the listing and the stat."""
+    try:
+        return entry.stat(follow_symlinks=False).st_size
+    except FileNotFoundError:
+        return None
 
 
 def _subdirs(path: str) -> list[str]:

@@ -149,7 +149,13 @@ def settle_block(ns: Namespace, volumes: VolumeSet, ino: int, index: int, rec: B
                 report.stale_meta_removed += 1
         if replica_gs < gs:
             continue  # an older version than a sibling replica: stale
-        good.append((vid, _settle_replica(volume, rec.block_id, gs, rec.length, bpc, report)))
+        try:
+            settled = _settle_replica(volume, rec.block_id, gs, rec.length, bpc, report)
+        except FsError as exc:  # data file gone, meta header damaged: as good as missing
+            report.missing_replicas.append(f"block {rec.block_id} on volume {vid}: {exc}")
+            log.error("replica of block %d on volume %d unusable: %s", rec.block_id, vid, exc)
+            continue
+        good.append((vid, settled))
     if not good:
         return BlockRecord(rec.block_id, rec.gs, rec.length, ())
     length = min(n for _, n in good)

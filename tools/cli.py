@@ -135,7 +135,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        # "fsck DATA --repair /a": argparse stops filling optional positionals at the
+        # first option, so a PATH given after options arrives here as an extra argument.
+        if args.command == "fsck" and args.path == "/" and len(extra) == 1 \
+                and not extra[0].startswith("-"):
+            args.path, extra = extra[0], []
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     except UsageError as exc:
         print(exc, file=sys.stderr)
         return exc.exit_code
