@@ -1,0 +1,869 @@
+"""The pyfuse3 Operations driven directly, without a kernel mount (S3QL's test layer 3).
+
+The objects come from ``mount.prepare`` itself (mount lock, namespace, volumes, recovery,
+resolver, placer, block I/O, Operations), on a filesystem made with a 64 KiB block size and
+4 KiB checksum chunks so that block boundaries are cheap to cross. Handlers are called with
+``trio.run`` and a small request context. At the end of every test the fixture shuts down
+as the daemon does after an unmount and fsck must find the filesystem healthy; a handler
+that logged an ERROR (a bug answered with EIO) fails the test.
+
+Only ``pyfuse3.readdir_reply`` is replaced (by a collector with a fixed capacity): it writes
+into the kernel's reply buffer, which does not exist without a mount.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import logging
+import os
+import random
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyfuse3
+import pytest
+import trio
+
+from tierfs import mount
+from tierfs.fs.operations import XATTR_INODE_MAX, XATTR_VALUE_MAX
+from tierfs.fs.schema import ROOT_INO
+from tierfs.tools.fsck import Fsck
+from tierfs.tools.mkfs import make_filesystem
+
+BS = 64 << 10
+BPC = 4096
+
+
+@dataclass
+class Ctx:
+    """A FUSE request context (what pyfuse3 passes as ``ctx``)."""
+
+    uid: int = os.getuid()
+    gid: int = os.getgid()
+    pid: int = os.getpid()
+    umask: int = 0o022
+
+
+@dataclass
+class Fields:
+    """The ``fields`` argument of setattr: which attributes to change."""
+
+    update_size: bool = False
+    update_mode: bool = False
+    update_uid: bool = False
+    update_gid: bool = False
+    update_atime: bool = False
+    update_mtime: bool = False
+    update_ctime: bool = False
+
+
+class FS:
+    """A prepared (not kernel-mounted) tierfs and helpers to call its handlers."""
+
+    def __init__(self, data: Path, mountpoint: Path):
+        self.data = data
+        self.mountpoint = mountpoint
+        self.ctx = Ctx()
+        self.stack = None
+        self.start()
+
+    def start(self) -> None:
+        args = argparse.Namespace(data=str(self.data), mountpoint=str(self.mountpoint))
+        self.stack, self.ops, self.blockio, self.ns = mount.prepare(args)
+
+    def stop(self) -> None:
+        """What the daemon does after the kernel unmounted (every inode forgotten)."""
+        mount.shutdown(self.ops, self.blockio, self.ns)
+        self.stack.close()
+        self.stack = None
+
+    def call(self, handler, *args):
+        return trio.run(lambda: handler(*args))
+
+    def errno_of(self, handler, *args) -> int:
+        """The errno a handler answers with; only FUSEError may leave a handler."""
+        try:
+            self.call(handler, *args)
+        except pyfuse3.FUSEError as exc:
+            return exc.errno
+        raise AssertionError(f"{handler.__name__}{args} succeeded")
+
+    # shorthands for the common requests
+    def create(self, name: bytes, parent: int = ROOT_INO, flags: int = os.O_RDWR,
+               mode: int = 0o644):
+        fi, entry = self.call(self.ops.create, parent, name, mode, flags, self.ctx)
+        return fi.fh, entry.st_ino
+
+    def mkdir(self, name: bytes, parent: int = ROOT_INO) -> int:
+        return self.call(self.ops.mkdir, parent, name, 0o755, self.ctx).st_ino
+
+    def open(self, ino: int, flags: int = os.O_RDWR) -> int:
+        return self.call(self.ops.open, ino, flags, self.ctx).fh
+
+    def write(self, fh: int, off: int, data: bytes) -> int:
+        return self.call(self.ops.write, fh, off, data)
+
+    def read(self, fh: int, off: int, size: int) -> bytes:
+        return self.call(self.ops.read, fh, off, size)
+
+    def release(self, fh: int) -> None:
+        self.call(self.ops.release, fh)
+
+    def forget(self, ino: int, count: int = 1) -> None:
+        self.call(self.ops.forget, [(ino, count)])
+
+    def getattr(self, ino: int):
+        return self.call(self.ops.getattr, ino, self.ctx)
+
+    def truncate(self, ino: int, size: int, fh: int | None = None):
+        attr = pyfuse3.EntryAttributes()
+        attr.st_size = size
+        return self.call(self.ops.setattr, ino, attr, Fields(update_size=True), fh, self.ctx)
+
+    def lookups(self, ino: int) -> int:
+        return self.ops.lookups.get(ino, 0)
+
+    def replica_files(self) -> set[str]:
+        """Names of every replica data and meta file on every volume."""
+        return {p.name for p in self.data.rglob("blk_*")
+                if p.is_file() and "namespace" not in p.parts}
+
+    def block_files(self, ino: int) -> set[str]:
+        """The data file names of an inode's blocks, from the namespace."""
+        return {f"blk_{rec.block_id}" for rec in self.ns.get_blocks(ino).values()}
+
+
+@pytest.fixture
+def fs(tmp_path, caplog):
+    data = tmp_path / "data"
+    make_filesystem(data, block_size=BS, bytes_per_checksum=BPC)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    caplog.set_level(logging.WARNING)
+    tierfs = FS(data, mnt)
+    yield tierfs
+    if tierfs.stack is not None:
+        tierfs.stop()
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, "logged errors:\n" + "\n".join(r.getMessage() for r in errors)
+    report = Fsck(data).check()
+    assert report.healthy, report.render()
+
+
+class ReaddirCollector:
+    """Stands in for the kernel's readdir buffer: takes ``capacity`` entries."""
+
+    def __init__(self, capacity: int = 1 << 30):
+        self.capacity = capacity
+        self.entries: list[tuple[bytes, int, int]] = []  # name, st_ino, next offset
+
+    def __call__(self, token, name, attr, next_id) -> bool:
+        assert token is self
+        if len(self.entries) >= self.capacity:
+            return False
+        self.entries.append((bytes(name), attr.st_ino, next_id))
+        return True
+
+
+@pytest.fixture
+def readdir_buffer(monkeypatch):
+    """readdir(fs, ino, start, capacity) -> [(name, st_ino, next offset)]."""
+    def readdir(fs: FS, ino: int, start: int = 0, capacity: int = 1 << 30):
+        buffer = ReaddirCollector(capacity)
+        monkeypatch.setattr(pyfuse3, "readdir_reply", buffer)
+        fh = fs.call(fs.ops.opendir, ino, fs.ctx)
+        try:
+            fs.call(fs.ops.readdir, fh, start, buffer)
+        finally:
+            fs.call(fs.ops.releasedir, fh)
+        return buffer.entries
+
+    return readdir
+
+
+# --- lookup counts ----------------------------------------------------------------------------
+
+def test_every_entry_reply_counts_a_lookup_and_forget_takes_it_back(fs):
+    ctx = fs.ctx
+    assert fs.lookups(ROOT_INO) == 1
+    fh, f = fs.create(b"f")
+    fs.release(fh)
+    assert fs.lookups(f) == 1
+    d = fs.mkdir(b"d")
+    assert fs.lookups(d) == 1
+    s = fs.call(fs.ops.symlink, ROOT_INO, b"s", b"target", ctx).st_ino
+    n = fs.call(fs.ops.mknod, ROOT_INO, b"fifo", stat.S_IFIFO | 0o600, 0, ctx).st_ino
+    assert fs.lookups(s) == 1 and fs.lookups(n) == 1
+    entry = fs.call(fs.ops.link, f, d, b"hard", ctx)
+    assert entry.st_ino == f and entry.st_nlink == 2
+    assert fs.lookups(f) == 2
+    for _ in range(3):
+        assert fs.call(fs.ops.lookup, ROOT_INO, b"f", ctx).st_ino == f
+    assert fs.call(fs.ops.lookup, d, b"hard", ctx).st_ino == f
+    assert fs.lookups(f) == 6
+    # getattr and a negative lookup count nothing
+    fs.getattr(f)
+    fs.call(fs.ops.lookup, ROOT_INO, b"missing", ctx)
+    assert fs.lookups(f) == 6
+    fs.call(fs.ops.forget, [(f, 4), (s, 1), (n, 1)])
+    assert fs.lookups(f) == 2 and fs.lookups(s) == 0 and fs.lookups(n) == 0
+    fs.forget(f, 2)
+    assert f not in fs.ops.lookups
+    # forgotten inodes that still have names are not purged
+    assert fs.getattr(f).st_nlink == 2
+    assert fs.call(fs.ops.lookup, ROOT_INO, b"s", ctx).st_ino == s
+    assert fs.call(fs.ops.readlink, s, ctx) == b"target"
+
+
+def test_negative_lookup_is_a_cached_entry_with_inode_zero(fs):
+    entry = fs.call(fs.ops.lookup, ROOT_INO, b"nothing", fs.ctx)
+    assert entry.st_ino == 0
+    assert entry.entry_timeout > 0
+    assert 0 not in fs.ops.lookups
+    fh, f = fs.create(b"file")
+    fs.release(fh)
+    # below a file, or after an unlink: negative too
+    assert fs.call(fs.ops.lookup, f, b"x", fs.ctx).st_ino == 0
+    fs.call(fs.ops.unlink, ROOT_INO, b"file", fs.ctx)
+    assert fs.call(fs.ops.lookup, ROOT_INO, b"file", fs.ctx).st_ino == 0
+
+
+def test_lookup_of_dot_and_dotdot(fs):
+    d = fs.mkdir(b"d")
+    e = fs.mkdir(b"e", parent=d)
+    assert fs.call(fs.ops.lookup, e, b".", fs.ctx).st_ino == e
+    assert fs.call(fs.ops.lookup, e, b"..", fs.ctx).st_ino == d
+    assert fs.call(fs.ops.lookup, ROOT_INO, b"..", fs.ctx).st_ino == ROOT_INO
+    assert fs.lookups(d) == 2 and fs.lookups(e) == 2
+
+
+def test_readdir_lists_dot_dotdot_and_entries_with_stable_offsets(fs, readdir_buffer):
+    d = fs.mkdir(b"d")
+    inos = {}
+    for i in range(10):
+        fh, ino = fs.create(b"f%d" % i, parent=d)
+        fs.release(fh)
+        inos[b"f%d" % i] = ino
+        fs.forget(ino)
+    sub = fs.mkdir(b"sub", parent=d)
+    fs.forget(sub)
+    inos[b"sub"] = sub
+    assert all(fs.lookups(i) == 0 for i in inos.values())
+    listing = readdir_buffer(fs, d)
+    assert listing[0][:2] == (b".", d) and listing[1][:2] == (b"..", ROOT_INO)
+    assert {name: ino for name, ino, _ in listing[2:]} == inos
+    offsets = [off for _, _, off in listing]
+    assert offsets == sorted(set(offsets))
+    # readdirplus: every entry other than . and .. counted one lookup
+    assert all(fs.lookups(i) == 1 for i in inos.values())
+    assert fs.lookups(d) == 1  # from mkdir only, not from "."
+    # a full buffer: the refused entry is not counted, and the listing resumes after the
+    # last accepted offset without repeating or skipping
+    for ino in inos.values():
+        fs.forget(ino)
+    first = readdir_buffer(fs, d, 0, capacity=5)
+    assert len(first) == 5
+    second = readdir_buffer(fs, d, first[-1][2], capacity=4)
+    third = readdir_buffer(fs, d, second[-1][2])
+    names = [n for n, _, _ in first + second + third]
+    assert names == [n for n, _, _ in listing]
+    assert all(fs.lookups(i) == 1 for i in inos.values())
+    # an offset past the end gives nothing
+    assert readdir_buffer(fs, d, listing[-1][2]) == []
+
+
+def test_readdir_resumes_correctly_while_entries_come_and_go(fs, readdir_buffer):
+    d = fs.mkdir(b"d")
+    for i in range(600):  # more than one READDIR_BATCH
+        fs.call(fs.ops.mknod, d, b"n%03d" % i, stat.S_IFREG | 0o644, 0, fs.ctx)
+    seen = []
+    offset = 0
+    step = 0
+    while batch := readdir_buffer(fs, d, offset, capacity=37):
+        seen += [n for n, _, _ in batch]
+        offset = batch[-1][2]
+        step += 1
+        if step <= 10:  # later listings must reach an end
+            fs.call(fs.ops.unlink, d, b"n%03d" % (599 - step), fs.ctx)  # not listed yet
+            fs.call(fs.ops.mknod, d, b"new%d" % step, stat.S_IFREG | 0o644, 0, fs.ctx)
+    removed = {b"n%03d" % (599 - s) for s in range(1, 11)}
+    assert {b"new%d" % s for s in range(1, 11)} <= set(seen)
+    stayed = {b"n%03d" % i for i in range(600)} - removed
+    for name in stayed:
+        assert seen.count(name) == 1
+    assert not removed & set(seen[:37])  # the first batch preceded every removal
+    assert len(seen) == len(set(seen))
+
+
+# --- purge of unlinked inodes -----------------------------------------------------------------
+
+@pytest.mark.parametrize("order", ["release-then-forget", "forget-then-release"])
+def test_unlinked_file_is_purged_when_closed_and_forgotten(fs, order):
+    fh, f = fs.create(b"f")
+    payload = os.urandom(BS + 1000)  # two blocks
+    assert fs.write(fh, 0, payload) == len(payload)
+    blocks = fs.block_files(f)
+    assert len(blocks) == 2 and blocks <= fs.replica_files()
+    fs.call(fs.ops.unlink, ROOT_INO, b"f", fs.ctx)
+    assert fs.ns.orphans() == [f]
+    assert blocks <= fs.replica_files(), "replicas deleted while the file is open"
+    if order == "release-then-forget":
+        fs.release(fh)
+        assert blocks <= fs.replica_files(), "replicas deleted while the kernel knows it"
+        assert fs.ns.orphans() == [f]
+        fs.forget(f)
+    else:
+        fs.forget(f)
+        assert blocks <= fs.replica_files(), "replicas deleted while the file is open"
+        assert fs.ns.orphans() == [f]
+        fs.release(fh)
+    assert fs.ns.orphans() == []
+    assert fs.replica_files() == set()
+    assert fs.ns.trash() == []
+    assert fs.errno_of(fs.ops.getattr, f, fs.ctx) == errno.ENOENT
+
+
+def test_unlink_of_an_unused_file_deletes_its_replicas_at_once(fs):
+    fh, f = fs.create(b"f")
+    fs.write(fh, 0, b"x" * 100)
+    fs.release(fh)
+    fs.forget(f)
+    keep_fh, keep = fs.create(b"keep")
+    fs.write(keep_fh, 0, b"k")
+    fs.release(keep_fh)
+    gone = fs.block_files(f)
+    assert gone | fs.block_files(keep) <= fs.replica_files()
+    fs.call(fs.ops.unlink, ROOT_INO, b"f", fs.ctx)
+    assert fs.ns.orphans() == []
+    assert not gone & fs.replica_files()
+    assert fs.block_files(keep) <= fs.replica_files()
+    assert len(fs.replica_files()) == 2  # keep's data and meta file
+    assert fs.ns.trash() == []
+
+
+def test_a_file_replaced_by_rename_lives_until_forgotten(fs):
+    fh, old = fs.create(b"old")
+    fs.write(fh, 0, b"old data")
+    fs.release(fh)
+    fh, new = fs.create(b"new")
+    fs.write(fh, 0, b"new data")
+    fs.release(fh)
+    old_blocks = fs.block_files(old)
+    fs.call(fs.ops.rename, ROOT_INO, b"new", ROOT_INO, b"old", 0, fs.ctx)
+    assert fs.call(fs.ops.lookup, ROOT_INO, b"old", fs.ctx).st_ino == new
+    assert fs.ns.orphans() == [old]
+    assert old_blocks <= fs.replica_files()
+    assert fs.getattr(old).st_nlink == 0
+    fs.forget(old)
+    assert fs.ns.orphans() == [] and not old_blocks & fs.replica_files()
+    fh = fs.open(new, os.O_RDONLY)
+    assert fs.read(fh, 0, 100) == b"new data"
+    fs.release(fh)
+
+
+def test_removed_directory_is_purged_when_forgotten(fs):
+    d = fs.mkdir(b"d")
+    fs.call(fs.ops.rmdir, ROOT_INO, b"d", fs.ctx)
+    assert fs.ns.orphans() == [d]
+    assert fs.getattr(d).st_nlink == 0
+    assert fs.getattr(ROOT_INO).st_nlink == 2
+    assert fs.errno_of(fs.ops.mkdir, d, b"x", 0o755, fs.ctx) == errno.ENOENT
+    assert fs.errno_of(fs.ops.create, d, b"x", 0o644, os.O_RDWR, fs.ctx) == errno.ENOENT
+    fs.forget(d)
+    assert fs.ns.orphans() == []
+    assert fs.errno_of(fs.ops.getattr, d, fs.ctx) == errno.ENOENT
+
+
+def test_open_unlinked_file_stays_readable_and_writable(fs):
+    fh, f = fs.create(b"f")
+    fs.write(fh, 0, b"a" * 5000)
+    reader = fs.open(f, os.O_RDONLY)
+    fs.call(fs.ops.unlink, ROOT_INO, b"f", fs.ctx)
+    assert fs.call(fs.ops.lookup, ROOT_INO, b"f", fs.ctx).st_ino == 0
+    assert fs.read(reader, 0, 5000) == b"a" * 5000
+    # overwrite, extend into a new block, both handles see it
+    fs.write(fh, 10, b"B" * 10)
+    fs.write(fh, BS + 5, b"tail")
+    assert fs.getattr(f).st_size == BS + 9
+    assert fs.getattr(f).st_nlink == 0
+    expected = b"a" * 10 + b"B" * 10 + b"a" * 4980 + bytes(BS + 5 - 5000) + b"tail"
+    assert fs.read(reader, 0, 2 * BS) == expected
+    assert fs.read(fh, 0, 2 * BS) == expected
+    fs.call(fs.ops.fsync, fh, False)
+    assert len(fs.block_files(f)) == 2
+    blocks = fs.block_files(f)
+    fs.release(fh)
+    assert fs.read(reader, BS, 100) == b"\0" * 5 + b"tail"
+    assert blocks <= fs.replica_files()
+    fs.release(reader)
+    fs.forget(f)
+    assert fs.replica_files() == set() and fs.ns.orphans() == []
+
+
+def test_orphans_left_at_unmount_are_purged_by_shutdown(fs):
+    fh, f = fs.create(b"f")
+    fs.write(fh, 0, b"data")
+    fs.call(fs.ops.unlink, ROOT_INO, b"f", fs.ctx)
+    fs.stop()  # the kernel forgot everything; the handle is gone with the mount
+    assert fs.replica_files() == set()
+    fs.start()
+    assert fs.ns.orphans() == []
+    assert fs.errno_of(fs.ops.getattr, f, fs.ctx) == errno.ENOENT
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+def _bad_inputs(fs: FS):
+    """(description, handler, args, errno) for inputs a caller can get wrong."""
+    ctx = fs.ctx
+    fh, f = fs.create(b"file")
+    fs.release(fh)
+    d = fs.mkdir(b"dir")
+    fs.mkdir(b"child", parent=d)
+    fs.call(fs.ops.symlink, ROOT_INO, b"link", b"file", ctx)
+    long = b"n" * 256
+    ops = fs.ops
+    return [
+        ("lookup long name", ops.lookup, (ROOT_INO, long, ctx), errno.ENAMETOOLONG),
+        ("getattr missing inode", ops.getattr, (424242, ctx), errno.ENOENT),
+        ("create existing", ops.create, (ROOT_INO, b"file", 0o644, os.O_RDWR, ctx),
+         errno.EEXIST),
+        ("create long name", ops.create, (ROOT_INO, long, 0o644, os.O_RDWR, ctx),
+         errno.ENAMETOOLONG),
+        ("create in a file", ops.create, (f, b"x", 0o644, os.O_RDWR, ctx), errno.ENOTDIR),
+        ("mkdir existing", ops.mkdir, (ROOT_INO, b"dir", 0o755, ctx), errno.EEXIST),
+        ("mkdir in missing dir", ops.mkdir, (424242, b"x", 0o755, ctx), errno.ENOENT),
+        ("mknod long name", ops.mknod, (ROOT_INO, long, stat.S_IFIFO | 0o600, 0, ctx),
+         errno.ENAMETOOLONG),
+        ("symlink existing", ops.symlink, (ROOT_INO, b"file", b"t", ctx), errno.EEXIST),
+        ("link a directory", ops.link, (d, ROOT_INO, b"d2", ctx), errno.EPERM),
+        ("link onto existing", ops.link, (f, ROOT_INO, b"dir", ctx), errno.EEXIST),
+        ("link missing inode", ops.link, (424242, ROOT_INO, b"x", ctx), errno.ENOENT),
+        ("unlink missing", ops.unlink, (ROOT_INO, b"missing", ctx), errno.ENOENT),
+        ("unlink a directory", ops.unlink, (ROOT_INO, b"dir", ctx), errno.EISDIR),
+        ("rmdir a file", ops.rmdir, (ROOT_INO, b"file", ctx), errno.ENOTDIR),
+        ("rmdir non-empty", ops.rmdir, (ROOT_INO, b"dir", ctx), errno.ENOTEMPTY),
+        ("rmdir missing", ops.rmdir, (ROOT_INO, b"missing", ctx), errno.ENOENT),
+        ("rename missing", ops.rename, (ROOT_INO, b"missing", ROOT_INO, b"x", 0, ctx),
+         errno.ENOENT),
+        ("rename into own subtree", ops.rename, (ROOT_INO, b"dir", d, b"x", 0, ctx),
+         errno.EINVAL),
+        ("rename both flags", ops.rename,
+         (ROOT_INO, b"file", ROOT_INO, b"link", 3, ctx), errno.EINVAL),
+        ("rename noreplace", ops.rename, (ROOT_INO, b"file", ROOT_INO, b"link", 1, ctx),
+         errno.EEXIST),
+        ("rename exchange missing", ops.rename,
+         (ROOT_INO, b"file", ROOT_INO, b"none", 2, ctx), errno.ENOENT),
+        ("rename file onto dir", ops.rename, (ROOT_INO, b"file", ROOT_INO, b"dir", 0, ctx),
+         errno.EISDIR),
+        ("rename dir onto file", ops.rename, (d, b"child", ROOT_INO, b"file", 0, ctx),
+         errno.ENOTDIR),
+        ("rename long name", ops.rename, (ROOT_INO, b"file", ROOT_INO, long, 0, ctx),
+         errno.ENAMETOOLONG),
+        ("readlink of a file", ops.readlink, (f, ctx), errno.EINVAL),
+        ("opendir of a file", ops.opendir, (f, ctx), errno.ENOTDIR),
+        ("opendir missing", ops.opendir, (424242, ctx), errno.ENOENT),
+        ("open missing", ops.open, (424242, os.O_RDONLY, ctx), errno.ENOENT),
+        ("truncate a directory", ops.setattr,
+         (d, pyfuse3.EntryAttributes(), Fields(update_size=True), None, ctx), errno.EISDIR),
+        ("setattr missing", ops.setattr,
+         (424242, pyfuse3.EntryAttributes(), Fields(update_mode=True), None, ctx),
+         errno.ENOENT),
+        ("setxattr missing inode", ops.setxattr, (424242, b"user.a", b"v", ctx),
+         errno.ENOENT),
+        ("getxattr missing", ops.getxattr, (f, b"user.none", ctx), errno.ENODATA),
+    ]
+
+
+def test_bad_inputs_answer_the_right_errno_and_change_nothing(fs):
+    cases = _bad_inputs(fs)
+    for description, handler, args, expected in cases:
+        txid = fs.ns.last_txid()
+        got = fs.errno_of(handler, *args)
+        assert got == expected, (
+            f"{description}: {errno.errorcode.get(got)} instead of {errno.errorcode[expected]}")
+        assert fs.ns.last_txid() == txid, f"{description} changed the namespace"
+    # nothing was created, moved or lost by the failed calls
+    listing = {n: fs.call(fs.ops.lookup, ROOT_INO, n, fs.ctx).st_ino
+               for n in (b"file", b"dir", b"link")}
+    assert all(listing.values())
+    assert fs.call(fs.ops.lookup, listing[b"dir"], b"child", fs.ctx).st_ino
+
+
+def test_truncate_of_a_symlink_is_einval(fs):
+    s = fs.call(fs.ops.symlink, ROOT_INO, b"s", b"target", fs.ctx).st_ino
+    assert fs.errno_of(fs.ops.setattr, s, pyfuse3.EntryAttributes(),
+                       Fields(update_size=True), None, fs.ctx) == errno.EINVAL
+    assert fs.call(fs.ops.readlink, s, fs.ctx) == b"target"
+
+
+# --- extended attributes ----------------------------------------------------------------------
+
+def test_xattr_round_trip(fs):
+    fh, f = fs.create(b"f")
+    fs.release(fh)
+    ctx = fs.ctx
+    fs.call(fs.ops.setxattr, f, b"user.one", b"1", ctx)
+    fs.call(fs.ops.setxattr, f, b"user.bin", bytes(range(256)), ctx)
+    fs.call(fs.ops.setxattr, f, b"user.empty", b"", ctx)
+    assert fs.call(fs.ops.getxattr, f, b"user.one", ctx) == b"1"
+    assert fs.call(fs.ops.getxattr, f, b"user.bin", ctx) == bytes(range(256))
+    assert fs.call(fs.ops.getxattr, f, b"user.empty", ctx) == b""
+    assert {b"user.one", b"user.bin", b"user.empty"} <= set(
+        fs.call(fs.ops.listxattr, f, ctx))
+    fs.call(fs.ops.removexattr, f, b"user.one", ctx)
+    assert fs.errno_of(fs.ops.getxattr, f, b"user.one", ctx) == errno.ENODATA
+    assert b"user.one" not in fs.call(fs.ops.listxattr, f, ctx)
+
+
+def test_xattr_value_size_limit(fs):
+    fh, f = fs.create(b"f")
+    fs.release(fh)
+    ctx = fs.ctx
+    assert XATTR_VALUE_MAX == 65536
+    assert fs.errno_of(fs.ops.setxattr, f, b"user.big", b"v" * 65537, ctx) == errno.E2BIG
+    assert fs.errno_of(fs.ops.getxattr, f, b"user.big", ctx) == errno.ENODATA
+    fs.call(fs.ops.setxattr, f, b"user.big", b"v" * 65536, ctx)
+    assert fs.call(fs.ops.getxattr, f, b"user.big", ctx) == b"v" * 65536
+
+
+def test_xattr_total_per_inode_limit(fs):
+    fh, f = fs.create(b"f")
+    fs.release(fh)
+    ctx = fs.ctx
+    names = [b"user.%d" % i for i in range(4)]
+    value = b"x" * (XATTR_INODE_MAX // 4 - len(names[0]))
+    for name in names:  # names + values fill the per-inode room exactly
+        fs.call(fs.ops.setxattr, f, name, value, ctx)
+    assert fs.errno_of(fs.ops.setxattr, f, b"user.more", b"", ctx) == errno.ENOSPC
+    assert fs.errno_of(fs.ops.setxattr, f, names[0], value + b"!", ctx) == errno.ENOSPC
+    fs.call(fs.ops.setxattr, f, names[0], value[::-1], ctx)  # same size: fits
+    fs.call(fs.ops.removexattr, f, names[1], ctx)
+    fs.call(fs.ops.setxattr, f, b"user.more", b"fits now", ctx)
+    assert fs.call(fs.ops.getxattr, f, b"user.more", ctx) == b"fits now"
+    # the limit is per inode: another file is not affected
+    fh, g = fs.create(b"g")
+    fs.release(fh)
+    fs.call(fs.ops.setxattr, g, names[0], value, ctx)
+
+
+def test_xattr_unknown_namespace_and_long_names(fs):
+    fh, f = fs.create(b"f")
+    fs.release(fh)
+    ctx = fs.ctx
+    for name in (b"foo.bar", b"system.posix_acl_default_x", b"user", b"x"):
+        assert fs.errno_of(fs.ops.setxattr, f, name, b"v", ctx) == errno.EOPNOTSUPP
+        assert fs.errno_of(fs.ops.removexattr, f, name, ctx) == errno.EOPNOTSUPP
+    ok = b"user." + b"n" * 250
+    assert len(ok) == 255
+    fs.call(fs.ops.setxattr, f, ok, b"v", ctx)
+    assert fs.call(fs.ops.getxattr, f, ok, ctx) == b"v"
+    long = ok + b"n"
+    assert fs.errno_of(fs.ops.setxattr, f, long, b"v", ctx) == errno.ERANGE
+    assert fs.errno_of(fs.ops.getxattr, f, long, ctx) == errno.ERANGE
+    assert fs.errno_of(fs.ops.removexattr, f, long, ctx) == errno.ERANGE
+    assert fs.errno_of(fs.ops.removexattr, f, b"user.missing", ctx) == errno.ENODATA
+    assert fs.errno_of(fs.ops.getxattr, f, b"trusted.missing", ctx) == errno.ENODATA
+
+
+def test_xattrs_on_directories_and_symlinks(fs):
+    d = fs.mkdir(b"d")
+    s = fs.call(fs.ops.symlink, ROOT_INO, b"s", b"d", fs.ctx).st_ino
+    for ino in (d, s, ROOT_INO):
+        fs.call(fs.ops.setxattr, ino, b"trusted.k", b"%d" % ino, fs.ctx)
+    for ino in (d, s, ROOT_INO):
+        assert fs.call(fs.ops.getxattr, ino, b"trusted.k", fs.ctx) == b"%d" % ino
+
+
+# --- statfs -----------------------------------------------------------------------------------
+
+def test_statfs(fs):
+    st = fs.call(fs.ops.statfs, fs.ctx)
+    assert st.f_namemax == 255
+    assert st.f_bsize > 0 and st.f_frsize > 0
+    assert 0 < st.f_bavail <= st.f_blocks
+    assert st.f_files > st.f_ffree > 0
+    fs.mkdir(b"d")
+    assert fs.call(fs.ops.statfs, fs.ctx).f_files == st.f_files + 1
+
+
+# --- data -------------------------------------------------------------------------------------
+
+def test_write_read_round_trip_across_block_boundaries(fs):
+    fh, f = fs.create(b"f")
+    payload = os.urandom(3 * BS + 123)
+    # written in pieces that straddle block and checksum-chunk boundaries
+    pos = 0
+    for size in (BS - 100, 200, 5000, BS, BS - 5100 + 123):
+        assert fs.write(fh, pos, payload[pos:pos + size]) == size
+        pos += size
+    assert pos == len(payload)
+    assert fs.read(fh, 0, len(payload)) == payload
+    assert fs.read(fh, BS - 50, 100) == payload[BS - 50:BS + 50]
+    assert fs.read(fh, 2 * BS - 1, 2) == payload[2 * BS - 1:2 * BS + 1]
+    assert fs.read(fh, len(payload) - 10, 100) == payload[-10:]
+    assert fs.read(fh, len(payload), 100) == b""
+    assert fs.read(fh, len(payload) + BS, 100) == b""
+    assert len(fs.blockio.files[f].blocks) == 4
+    fs.release(fh)
+    assert sorted(fs.ns.get_blocks(f)) == [0, 1, 2, 3]
+    assert [r.length for _, r in sorted(fs.ns.get_blocks(f).items())] == [BS, BS, BS, 123]
+    assert fs.getattr(f).st_size == len(payload)
+    # after a restart (a new mount) the data is the same
+    fs.stop()
+    fs.start()
+    fh = fs.open(f, os.O_RDONLY)
+    assert fs.read(fh, 0, 4 * BS) == payload
+    fs.release(fh)
+
+
+def test_overwrite_in_a_later_session(fs):
+    fh, f = fs.create(b"f")
+    payload = bytearray(os.urandom(2 * BS))
+    fs.write(fh, 0, bytes(payload))
+    fs.release(fh)
+    fh = fs.open(f, os.O_WRONLY)
+    fs.write(fh, BS - 3, b"XXXXXX")
+    payload[BS - 3:BS + 3] = b"XXXXXX"
+    fs.release(fh)
+    fh = fs.open(f, os.O_RDONLY)
+    assert fs.read(fh, 0, 2 * BS) == bytes(payload)
+    fs.release(fh)
+
+
+def test_holes_read_as_zeros(fs):
+    fh, f = fs.create(b"sparse")
+    fs.write(fh, 3 * BS + 10, b"end")
+    assert fs.getattr(f).st_size == 3 * BS + 13
+    assert fs.read(fh, 0, 3 * BS + 13) == bytes(3 * BS + 10) + b"end"
+    assert fs.read(fh, BS + 7, 10) == bytes(10)
+    fs.release(fh)
+    assert sorted(fs.ns.get_blocks(f)) == [3]  # holes have no block
+    assert len(fs.replica_files()) == 2
+    attr = fs.getattr(f)
+    assert attr.st_blocks * 512 < attr.st_size
+    # a hole inside a block (written at its start and far into it)
+    fh = fs.open(f, os.O_RDWR)
+    fs.write(fh, 0, b"a")
+    fs.write(fh, 40000, b"b")
+    assert fs.read(fh, 0, 40001) == b"a" + bytes(39999) + b"b"
+    fs.release(fh)
+
+
+def test_truncate_down_and_up(fs):
+    fh, f = fs.create(b"f")
+    payload = os.urandom(3 * BS)
+    fs.write(fh, 0, payload)
+    fs.release(fh)
+    dropped = fs.block_files(f)
+    # down into the middle of the first block (no handle: the path is truncated)
+    entry = fs.truncate(f, 1000)
+    assert entry.st_size == 1000
+    kept = fs.block_files(f)
+    assert len(kept) == 1 and not (dropped - kept) & fs.replica_files()
+    fh = fs.open(f, os.O_RDWR)
+    assert fs.read(fh, 0, BS) == payload[:1000]
+    # up: the new range reads as zeros, also the part of the cut block
+    assert fs.truncate(f, 2 * BS + 5, fh).st_size == 2 * BS + 5
+    assert fs.read(fh, 0, 3 * BS) == payload[:1000] + bytes(2 * BS + 5 - 1000)
+    # write after the cut, inside the cut block: the old bytes stay gone
+    fs.write(fh, 3000, b"new")
+    data = fs.read(fh, 0, 2 * BS + 5)
+    assert data[:1000] == payload[:1000]
+    assert data[1000:3000] == bytes(2000) and data[3000:3003] == b"new"
+    assert data[3003:] == bytes(2 * BS + 5 - 3003)
+    # to zero: no block left
+    fs.truncate(f, 0, fh)
+    assert fs.read(fh, 0, 100) == b""
+    fs.release(fh)
+    assert fs.ns.get_blocks(f) == {} and fs.replica_files() == set()
+    assert fs.getattr(f).st_size == 0
+
+
+def test_truncate_to_a_block_boundary(fs):
+    fh, f = fs.create(b"f")
+    payload = os.urandom(2 * BS + 10)
+    fs.write(fh, 0, payload)
+    fs.truncate(f, BS, fh)
+    assert sorted(fs.ns.get_blocks(f)) == [0]
+    assert fs.read(fh, 0, 3 * BS) == payload[:BS]
+    fs.write(fh, BS, b"next")
+    assert fs.read(fh, BS - 2, 10) == payload[BS - 2:BS] + b"next"
+    fs.release(fh)
+
+
+def test_open_with_o_trunc(fs):
+    fh, f = fs.create(b"f")
+    fs.write(fh, 0, os.urandom(BS + 10))
+    fs.release(fh)
+    # O_TRUNC with O_RDONLY truncates nothing (the kernel does not even pass it on)
+    fh = fs.open(f, os.O_RDONLY | os.O_TRUNC)
+    assert fs.getattr(f).st_size == BS + 10
+    fs.release(fh)
+    fh = fs.open(f, os.O_WRONLY | os.O_TRUNC)
+    assert fs.getattr(f).st_size == 0
+    assert fs.replica_files() == set()
+    fs.write(fh, 0, b"fresh")
+    fs.release(fh)
+    fh = fs.open(f, os.O_RDONLY)
+    assert fs.read(fh, 0, 100) == b"fresh"
+    fs.release(fh)
+
+
+def test_getattr_shows_the_in_memory_size_of_a_file_open_for_writing(fs):
+    fh, f = fs.create(b"f")
+    fs.write(fh, 0, b"x" * 1000)
+    assert fs.getattr(f).st_size == 1000
+    assert fs.ns.get_inode(f).size == 0  # not persisted yet: the daemon holds the length
+    fs.write(fh, 1000, b"y" * (BS - 1000))  # a block filled: persisted
+    assert fs.ns.get_inode(f).size == BS
+    fs.write(fh, BS, b"z" * 7)
+    assert fs.getattr(f).st_size == BS + 7
+    assert fs.call(fs.ops.lookup, ROOT_INO, b"f", fs.ctx).st_size == BS + 7
+    assert fs.ns.get_inode(f).size == BS
+    # a second handle sees the same length
+    reader = fs.open(f, os.O_RDONLY)
+    assert fs.read(reader, BS, 100) == b"z" * 7
+    fs.call(fs.ops.flush, fh)
+    assert fs.ns.get_inode(f).size == BS + 7
+    fs.write(fh, BS + 7, b"w")
+    fs.release(fh)  # the last writer persists
+    assert fs.ns.get_inode(f).size == BS + 8
+    assert fs.getattr(f).st_size == BS + 8
+    fs.release(reader)
+    assert f not in fs.blockio.files
+
+
+def test_fsync_persists_size_and_mtime(fs):
+    fh, f = fs.create(b"f")
+    fs.write(fh, 0, b"abc")
+    mtime = fs.getattr(f).st_mtime_ns
+    fs.call(fs.ops.fsync, fh, False)
+    inode = fs.ns.get_inode(f)
+    assert inode.size == 3 and inode.mtime_ns == mtime
+    fs.release(fh)
+
+
+def test_setattr_mode_owner_and_times(fs):
+    fh, f = fs.create(b"f")
+    attr = pyfuse3.EntryAttributes()
+    attr.st_mode = stat.S_IFREG | 0o4750
+    attr.st_uid = 1234
+    attr.st_gid = 5678
+    attr.st_atime_ns = 1_000_000_000
+    attr.st_mtime_ns = 2_000_000_000
+    entry = fs.call(fs.ops.setattr, f, attr,
+                    Fields(update_mode=True, update_uid=True, update_gid=True,
+                           update_atime=True, update_mtime=True), fh, fs.ctx)
+    assert stat.S_IMODE(entry.st_mode) == 0o4750 and stat.S_ISREG(entry.st_mode)
+    assert (entry.st_uid, entry.st_gid) == (1234, 5678)
+    assert (entry.st_atime_ns, entry.st_mtime_ns) == (1_000_000_000, 2_000_000_000)
+    assert entry.st_ctime_ns > 2_000_000_000
+    # the open file's in-memory times follow, and survive the release
+    fs.release(fh)
+    attr2 = fs.getattr(f)
+    assert (attr2.st_atime_ns, attr2.st_mtime_ns) == (1_000_000_000, 2_000_000_000)
+
+
+def test_new_inodes_take_the_callers_umask_and_ids(fs):
+    ctx = Ctx(umask=0o027)
+    fi, entry = fs.call(fs.ops.create, ROOT_INO, b"f", 0o666, os.O_RDWR, ctx)
+    fs.release(fi.fh)
+    assert stat.S_IMODE(entry.st_mode) == 0o640
+    assert (entry.st_uid, entry.st_gid) == (ctx.uid, ctx.gid)
+    d = fs.call(fs.ops.mkdir, ROOT_INO, b"d", 0o777, ctx)
+    assert stat.S_IMODE(d.st_mode) == 0o750 and stat.S_ISDIR(d.st_mode)
+    s = fs.call(fs.ops.symlink, ROOT_INO, b"s", b"f", ctx)
+    assert stat.S_IMODE(s.st_mode) == 0o777 and stat.S_ISLNK(s.st_mode)
+    assert s.st_size == 1
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_random_writes_truncates_and_reopens_against_a_bytearray(fs, seed):
+    """fsx in miniature: the file's bytes and size always equal a bytearray's."""
+    rng = random.Random(seed)
+    fh, f = fs.create(b"f")
+    handles = [fh]
+    model = bytearray()
+
+    def offset() -> int:
+        if rng.random() < 0.3:
+            return rng.randrange(4 * BS)
+        edge = rng.randrange(4) * BS + rng.choice([0, BPC, 2 * BPC, BS - BPC])
+        return max(0, edge + rng.randrange(-10, 10))
+
+    for step in range(250):
+        op = rng.choice(["write"] * 3 + ["read", "truncate", "reopen", "o_trunc", "fsync",
+                                         "restart"])
+        if op == "write":
+            at = offset()
+            data = os.urandom(rng.choice([1, 100, BPC - 1, BPC, BPC + 1, BS, BS + 1,
+                                          rng.randrange(1, 3 * BS)]))
+            assert fs.write(handles[-1], at, data) == len(data)
+            model.extend(bytes(max(0, at - len(model))))
+            model[at:at + len(data)] = data
+        elif op == "read":
+            at, size = offset(), rng.randrange(3 * BS)
+            assert fs.read(rng.choice(handles), at, size) == bytes(model[at:at + size]), step
+        elif op == "truncate":
+            size = offset()
+            fs.truncate(f, size, rng.choice(handles + [None]))
+            del model[size:]
+            model.extend(bytes(size - len(model)))
+        elif op == "reopen":
+            fs.release(handles.pop(0))
+            handles.append(fs.open(f, rng.choice([os.O_RDWR, os.O_WRONLY])))
+            if len(handles) < 3 and rng.random() < 0.5:
+                handles.append(fs.open(f, os.O_RDWR))
+        elif op == "o_trunc":
+            handles.append(fs.open(f, os.O_RDWR | os.O_TRUNC))
+            model = bytearray()
+        elif op == "fsync":
+            fs.call(fs.ops.fsync, handles[-1], False)
+        else:
+            for h in handles:
+                fs.release(h)
+            fs.stop()
+            report = Fsck(fs.data).check()
+            assert report.healthy, report.render()
+            fs.start()
+            handles = [fs.open(f, os.O_RDWR)]
+        assert fs.getattr(f).st_size == len(model), step
+    reader = fs.open(f, os.O_RDONLY)
+    assert fs.read(reader, 0, len(model) + 1) == bytes(model)
+    for h in handles + [reader]:
+        fs.release(h)
+    assert fs.ns.get_inode(f).size == len(model)
+    assert all(rec.length <= BS for rec in fs.ns.get_blocks(f).values())
+
+
+def test_a_crashed_daemon_leaves_nothing_the_next_start_does_not_repair(fs):
+    """No shutdown (kill -9): the next mount.prepare recovers leases and purges orphans."""
+    fh, f = fs.create(b"f")
+    fs.write(fh, 0, b"a" * 1000)
+    fs.write(fh, BS + 5, b"b" * 10)
+    fh2, g = fs.create(b"g")
+    fs.write(fh2, 0, b"orphan")
+    fs.call(fs.ops.unlink, ROOT_INO, b"g", fs.ctx)
+    orphan_blocks = fs.block_files(g)
+    assert fs.ns.get_inode(f).size == 0  # the length lives in the daemon only
+    assert set(fs.ns.leases()) == {f, g} and fs.ns.orphans() == [g]
+    fs.stack.close()  # the process dies: lock released, nothing else done
+    fs.start()
+    assert fs.ns.leases() == {} and fs.ns.orphans() == []
+    assert not orphan_blocks & fs.replica_files()
+    assert fs.getattr(f).st_size == BS + 15
+    fh = fs.open(f, os.O_RDONLY)
+    assert fs.read(fh, 0, 2 * BS) == b"a" * 1000 + bytes(BS + 5 - 1000) + b"b" * 10
+    fs.release(fh)
+
+
+def test_readdir_resumes_after_dot(fs, readdir_buffer):
+    d = fs.mkdir(b"d")
+    fs.call(fs.ops.mknod, d, b"x", stat.S_IFREG | 0o644, 0, fs.ctx)
+    first = readdir_buffer(fs, d, 0, capacity=1)
+    assert [n for n, _, _ in first] == [b"."]
+    rest = readdir_buffer(fs, d, first[0][2])
+    assert [n for n, _, _ in rest] == [b"..", b"x"]
