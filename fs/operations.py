@@ -124,11 +124,19 @@ class Operations(pyfuse3.Operations):
         return e
 
     def _allocated(self, inode: Inode, of: OpenFile | None) -> int:
-        """Bytes held by the file's blocks (holes take no space); 512-byte units rounded up."""
+        """Bytes the file's data takes on disk: what its first replica of each block really
+        allocates (holes, also inside a block, take none), so ``du`` tells the truth."""
         if not stat.S_ISREG(inode.mode) or (inode.size == 0 and of is None):
             return 0
         blocks = of.blocks if of is not None else self.ns.get_blocks(inode.ino)
-        return sum(-(-rec.length // 4096) * 4096 for rec in blocks.values())
+        total = 0
+        for rec in blocks.values():
+            volume = self.blockio.volumes.by_id.get(rec.volumes[0]) if rec.volumes else None
+            try:
+                total += os.stat(volume.data_path(rec.block_id)).st_blocks * 512
+            except (OSError, AttributeError):
+                total += -(-rec.length // 4096) * 4096
+        return total
 
     def _blocks_of(self, ino: int):
         of = self.blockio.files.get(ino)
@@ -234,10 +242,13 @@ class Operations(pyfuse3.Operations):
             changes["atime_ns"] = attr.st_atime_ns
         if fields.update_mtime:
             changes["mtime_ns"] = attr.st_mtime_ns
-        if changes or not fields.update_size:
+        if changes or fields.update_ctime or not fields.update_size:
             if of is not None:
                 self.blockio.persist(of)
-            updated = self.ns.setattr(inode, ctime_ns=now, **changes)
+            # With writeback caching the kernel keeps ctime itself and sends it here; store
+            # exactly that, so what stat shows does not move at the next mount.
+            ctime = attr.st_ctime_ns if fields.update_ctime else now
+            updated = self.ns.setattr(inode, ctime_ns=ctime, **changes)
             if of is not None:
                 of.atime_ns, of.mtime_ns, of.ctime_ns = (
                     updated.atime_ns, updated.mtime_ns, updated.ctime_ns)
@@ -312,7 +323,7 @@ class Operations(pyfuse3.Operations):
     @handler
     async def open(self, inode, flags, ctx):
         fi = self._open(inode, flags)
-        if flags & os.O_TRUNC and (flags & os.O_ACCMODE) != os.O_RDONLY:
+        if flags & os.O_TRUNC:  # Linux truncates even for O_RDONLY (permission checked)
             handle = self.handles[fi.fh]
             if handle.of.size:
                 await self.blockio.truncate(handle.of, 0)
@@ -414,6 +425,8 @@ class Operations(pyfuse3.Operations):
             raise FsError(errno.ERANGE, "attribute name too long")
         if not name.startswith(XATTR_NAMESPACES):
             raise FsError(errno.EOPNOTSUPP, "unsupported attribute namespace")
+        if name in XATTR_NAMESPACES:
+            raise FsError(errno.EINVAL, "attribute name is only a namespace prefix")
 
     @handler
     async def getxattr(self, inode, name, ctx):
@@ -443,6 +456,8 @@ class Operations(pyfuse3.Operations):
     @handler
     async def listxattr(self, inode, ctx):
         names = self.ns.list_xattrs(inode) + self.policy_xattrs.listed(inode)
+        if ctx.uid != 0:  # trusted.* is visible to privileged processes only (Linux rule)
+            names = [n for n in names if not n.startswith(b"trusted.")]
         if sum(len(n) + 1 for n in names) > XATTR_LIST_MAX:
             raise FsError(errno.E2BIG, "attribute list too large")
         return names

@@ -21,29 +21,42 @@ from tierfs.satisfier.policies import BlockStoragePolicy
 
 
 def choose_volumes(policy: BlockStoragePolicy, replication: int, volumes: VolumeSet,
-                   nbytes: int) -> list[Volume]:
-    """Volumes for the replicas of a new block; fewer than ``replication`` when the
-    allowed types run out of volumes (the block is then under-replicated, as in HDFS)."""
-    chosen: list[Volume] = []
+                   nbytes: int, existing: list[Volume] | None = None) -> list[Volume]:
+    """Volumes for the replicas a block still needs.
+
+    A new block (``existing`` None) uses the policy's creation fallbacks and fails with
+    ENOSPC when nothing allowed has room. Re-replication (``existing``: the volumes of the
+    block's good replicas) uses the replication fallbacks and may return nothing; transient
+    replicas (RAM_DISK) count for nothing, as in HDFS. Either way the result can be shorter
+    than what is missing when the allowed types run out of volumes: the block is then
+    under-replicated, as in HDFS.
+    """
+    new_block = existing is None
+    existing = existing or []
+    chosen_types = [v.storage_type for v in existing if not v.storage_type.transient]
+    used = [v.id for v in existing]
+    added: list[Volume] = []
     unavailable: set[StorageType] = set()
-    while len(chosen) < replication:
-        wanted = policy.choose_storage_types(
-            replication, [v.storage_type for v in chosen], unavailable, is_new_block=True)
+    while len(chosen_types) < replication:
+        wanted = policy.choose_storage_types(replication, chosen_types, unavailable,
+                                             is_new_block=new_block)
         if not wanted:
             break
         missing: set[StorageType] = set()
         for storage_type in wanted:
-            volume = volumes.pick(storage_type, nbytes, exclude=[v.id for v in chosen])
+            volume = volumes.pick(storage_type, nbytes, exclude=used)
             if volume is None:
                 missing.add(storage_type)
-            else:
-                chosen.append(volume)
+                continue
+            added.append(volume)
+            used.append(volume.id)
+            chosen_types.append(storage_type)
         if not missing or missing <= unavailable:
             break
         unavailable |= missing
-    if not chosen:
+    if new_block and not added:
         raise FsError(errno.ENOSPC, f"no volume allowed by policy {policy.name} has room")
-    return chosen
+    return added
 
 
 # Resolves the (policy, replication) that apply to an inode.

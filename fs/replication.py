@@ -31,6 +31,7 @@ from tierfs.backends.volume_set import VolumeSet
 from tierfs.fs.blockio import BlockIO
 from tierfs.fs.errors import FsError
 from tierfs.fs.namespace import Namespace
+from tierfs.fs.placement import choose_volumes
 from tierfs.fs.resolver import Resolver
 from tierfs.fs.schema import BlockRecord
 
@@ -121,33 +122,15 @@ class ReplicationMonitor:
             return 0
         policy = self.resolver.policy(ino)
         source = self._source(rec, ino, index)
-        chosen = [self.volumes.get(v).storage_type for v in rec.volumes
-                  if not self.volumes.get(v).storage_type.transient]
-        used = list(rec.volumes)
-        unavailable: set = set()
-        added = 0
-        while len(chosen) < replication:
-            wanted = policy.choose_storage_types(replication, chosen, unavailable,
-                                                 is_new_block=False)
-            if not wanted:
-                break
-            missing = set()
-            for storage_type in wanted:
-                target = self.volumes.pick(storage_type, rec.length, exclude=used)
-                if target is None:
-                    missing.add(storage_type)
-                    continue
-                await self._copy(ino, index, rec, source, target)
-                chosen.append(storage_type)
-                used.append(target.id)
-                added += 1
-            if not missing or missing <= unavailable:
-                break
-            unavailable |= missing
-        if len(chosen) < replication:
-            raise FsError(errno.ENOSPC, f"only {len(chosen)} of {replication} replicas "
-                                        f"placeable: no volume allowed by {policy.name} has room")
-        return added
+        existing = [self.volumes.get(v) for v in rec.volumes]
+        targets = choose_volumes(policy, replication, self.volumes, rec.length, existing)
+        for target in targets:
+            await self._copy(ino, index, rec, source, target)
+        if self._persistent_count(rec) < replication:
+            raise FsError(errno.ENOSPC, f"only {self._persistent_count(rec)} of {replication} "
+                                        f"replicas placeable: no volume allowed by "
+                                        f"{policy.name} has room")
+        return len(targets)
 
     def _record(self, ino: int, index: int) -> BlockRecord | None:
         of = self.blockio.files.get(ino)
