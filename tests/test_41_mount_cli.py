@@ -1,0 +1,625 @@
+"""``mount.tierfs``, ``tierfs umount`` and ``tierfs mkfs`` as a person uses them.
+
+Mounting creates the default layout where there is none, refuses what it must refuse (a
+second daemon, foreign, missing or swapped volumes, a mount point or data directory that is
+not what it should be) with one line on stderr and exit code 1, and every way of stopping
+the daemon (``tierfs umount``, ``fusermount3 -u``, SIGTERM, SIGINT) unmounts, exits 0 and
+leaves the filesystem clean: the next mount runs no recovery. No tool ever prints a
+traceback.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import MOUNT_TIERFS, TIERFS, Mount, assert_fsck_clean, is_mounted, run_tool
+
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+RECOVERY_MARKERS = ("did not stop cleanly", "recovered")
+
+
+# --- helpers --------------------------------------------------------------------------------
+
+
+def run(cmd: list[str], timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def mount_cmd(data, mnt, *extra: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return run([MOUNT_TIERFS, str(data), str(mnt), *extra], timeout=timeout)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, code: int, *fragments: str,
+                          prefix: str | None = None) -> str:
+    """Exit code ``code``, nothing on stdout, exactly one line on stderr containing every
+    fragment, and no traceback."""
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr
+    assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got:\n{result.stderr}"
+    assert result.stdout == "", result.stdout
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    if prefix is not None:
+        assert lines[0].startswith(prefix), lines[0]
+    return lines[0]
+
+
+def lock_is_free(data: Path) -> bool:
+    """True when no daemon holds DATA's mount lock (what ``tierfs umount`` waits for)."""
+    path = data / "namespace" / "mount.lock"
+    if not path.exists():
+        return True
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def lock_holder_pid(data: Path) -> int:
+    return int((data / "namespace" / "mount.lock").read_text().split()[0])
+
+
+def process_gone(pid: int) -> bool:
+    """The process has exited (it may linger as a zombie of whoever adopted it)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.split()[:2] == ["State:", "Z"] for line in f)
+    except FileNotFoundError:
+        return True
+
+
+def log_size(mount: Mount) -> int:
+    return mount.log.stat().st_size if mount.log.exists() else 0
+
+
+def log_since(mount: Mount, offset: int) -> str:
+    with open(mount.log, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
+
+
+def assert_remount_is_clean(data: Path, mnt: Path, expect: dict[str, bytes] | None = None
+                            ) -> None:
+    """A new daemon logs no recovery and no error, finds ``expect``, and unmounts; fsck is
+    clean."""
+    mount = Mount(data, mnt)
+    offset = log_size(mount)
+    mount.start()
+    try:
+        for name, content in (expect or {}).items():
+            assert (mnt / name).read_bytes() == content, name
+    finally:
+        mount.stop()
+    text = log_since(mount, offset)
+    for marker in RECOVERY_MARKERS:
+        assert marker not in text, f"remount ran recovery:\n{text}"
+    assert " ERROR" not in text and "Traceback" not in text, text
+    assert_fsck_clean(data)
+
+
+def mkfs(data: Path, *args: str) -> None:
+    run_tool("mkfs", str(data), *args)
+
+
+# --- creating the default layout ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("state", ["missing", "empty", "only-a-log"])
+def test_mount_creates_the_default_layout(tmp_path, state):
+    data = tmp_path / "data"
+    if state == "empty":
+        data.mkdir()
+    if state == "only-a-log":
+        data.mkdir()
+        (data / "tierfs.log").write_text("an earlier failed mount left its log\n")
+    mnt = tmp_path / "mnt"
+    mount = Mount(data, mnt).start()
+    try:
+        (mnt / "hello").write_bytes(b"hello\n")
+        assert os.listdir(mnt) == ["hello"]
+    finally:
+        mount.stop()
+    expected = {"ssd": "SSD", "disk": "DISK", "archive": "ARCHIVE"}
+    assert {p.name for p in data.iterdir()} >= set(expected) | {"namespace"}
+    fs_uuids = set()
+    for name, storage_type in expected.items():
+        identity = json.loads((data / name / "VERSION").read_text())
+        assert identity["storage_type"] == storage_type
+        fs_uuids.add(identity["fs_uuid"])
+        assert (data / name / "current" / "finalized").is_dir()
+    assert len(fs_uuids) == 1
+    assert (data / "namespace" / "data.mdb").is_file()
+    assert "created filesystem" in mount.log_text()
+    assert not mount.errors_logged(), mount.errors_logged()
+    assert_fsck_clean(data)
+    assert_remount_is_clean(data, mnt, {"hello": b"hello\n"})
+
+
+def test_mount_of_a_relative_data_dir_in_the_background(tmp_path):
+    """Relative DATA and MNT work in background mode (the daemon changes directory to /);
+    missing parents of DATA are created."""
+    (tmp_path / "mnt").mkdir()
+    r = run([MOUNT_TIERFS, "x/y/data", "mnt"], cwd=tmp_path)
+    assert (r.returncode, r.stdout, r.stderr) == (0, "", "")
+    try:
+        assert is_mounted(tmp_path / "mnt")
+        (tmp_path / "mnt" / "f").write_text("relative\n")
+    finally:
+        r = run([TIERFS, "umount", "mnt"], cwd=tmp_path)
+    assert (r.returncode, r.stdout, r.stderr) == (0, "", "")
+    assert not is_mounted(tmp_path / "mnt")
+    data = tmp_path / "x" / "y" / "data"
+    assert (data / "ssd" / "VERSION").exists()
+    assert "created filesystem" in (data / "tierfs.log").read_text()
+    assert_remount_is_clean(data, tmp_path / "mnt", {"f": b"relative\n"})
+
+
+# --- background mode and tierfs umount ------------------------------------------------------
+
+
+def test_background_mount_and_tierfs_umount(data_dir, tmp_path):
+    """Without -f the command returns 0 once the mount is there; ``tierfs umount`` returns 0
+    only after the daemon has finished: lock free, process gone, log complete."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = mount_cmd(data_dir, mnt)
+    assert (r.returncode, r.stdout, r.stderr) == (0, "", "")
+    assert is_mounted(mnt), "mount.tierfs returned before the mount was there"
+    pid = lock_holder_pid(data_dir)
+    assert not process_gone(pid)
+    assert not lock_is_free(data_dir)
+    options = next(line.split()[3] for line in open("/proc/mounts")
+                   if line.split()[1] == str(mnt))
+    assert "allow_other" not in options.split(",")
+    payload = os.urandom(300_000)
+    (mnt / "file").write_bytes(payload)
+    # the daemon logs to DATA/tierfs.log
+    log = data_dir / "tierfs.log"
+    assert "mounted" in log.read_text()
+
+    r = run([TIERFS, "umount", str(mnt)])
+    assert (r.returncode, r.stdout, r.stderr) == (0, "", "")
+    # checked at once: no waiting here, tierfs umount must have waited
+    assert lock_is_free(data_dir), "tierfs umount returned while the daemon held the lock"
+    assert not is_mounted(mnt)
+    assert "unmounted" in log.read_text()
+    deadline = time.monotonic() + 5  # the lock is released just before the process exits
+    while not process_gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert process_gone(pid)
+    assert "Traceback" not in log.read_text() and " ERROR" not in log.read_text()
+    assert_fsck_clean(data_dir)
+    assert_remount_is_clean(data_dir, mnt, {"file": payload})
+
+
+def test_background_mount_options_and_log_file(data_dir, tmp_path):
+    """``-o allow_other`` reaches the kernel in background mode; ``--log`` chooses the log."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    log = tmp_path / "logs" / "daemon.log"
+    r = mount_cmd(data_dir, mnt, "-o", "allow_other", "--log", str(log))
+    assert (r.returncode, r.stderr) == (0, "")
+    try:
+        options = next(line.split()[3] for line in open("/proc/mounts")
+                       if line.split()[1] == str(mnt))
+        assert "allow_other" in options.split(",")
+        assert "mounted" in log.read_text()
+        assert not (data_dir / "tierfs.log").exists()
+    finally:
+        assert run([TIERFS, "umount", str(mnt)]).returncode == 0
+    assert "unmounted" in log.read_text()
+
+
+def test_tierfs_umount_of_a_busy_mount_fails_and_leaves_it_mounted(mounted):
+    mnt = mounted.mountpoint
+    (mnt / "dir").mkdir()
+    busy = subprocess.Popen(["sleep", "60"], cwd=mnt / "dir")
+    try:
+        r = run([TIERFS, "umount", str(mnt)])
+        line = assert_one_line_error(r, 1, "cannot unmount", str(mnt),
+                                     prefix="tierfs umount: ")
+        assert "busy" in line.lower()
+        assert is_mounted(mnt)
+        assert mounted.proc.poll() is None
+        (mnt / "still_works").write_text("yes")
+    finally:
+        busy.kill()
+        busy.wait()
+    r = run([TIERFS, "umount", str(mnt)])
+    assert (r.returncode, r.stderr) == (0, "")
+    assert mounted.proc.wait(timeout=30) == 0
+    mounted.proc = None
+    assert lock_is_free(mounted.data)
+
+
+@pytest.mark.parametrize("what", ["plain-dir", "missing", "proc", "file", "usage"])
+def test_tierfs_umount_refuses_what_is_not_a_tierfs_mount(tmp_path, what):
+    target = {"plain-dir": tmp_path, "missing": tmp_path / "nope", "proc": Path("/proc"),
+              "file": tmp_path / "f", "usage": None}[what]
+    if what == "file":
+        target.write_text("x")
+    if what == "usage":
+        r = run([TIERFS, "umount"])
+        assert_one_line_error(r, 2, "MNT", prefix="tierfs umount: ")
+        return
+    r = run([TIERFS, "umount", str(target)])
+    fragment = "is not a tierfs mount (proc)" if what == "proc" else "is not mounted"
+    assert_one_line_error(r, 1, str(target), fragment, prefix="tierfs umount: ")
+    assert os.path.ismount("/proc")
+
+
+# --- signals and fusermount -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "fusermount3"])
+def test_stopping_the_foreground_daemon(make_mount, how):
+    """SIGTERM, SIGINT and ``fusermount3 -u`` unmount; the daemon exits 0, releases the lock,
+    and the filesystem is clean (the next mount recovers nothing)."""
+    mount = make_mount()
+    mnt, data = mount.mountpoint, mount.data
+    payload = os.urandom(1_000_003)
+    (mnt / "d").mkdir()
+    (mnt / "d" / "f").write_bytes(payload)
+    os.setxattr(mnt / "d", "user.note", b"kept")
+    if how == "fusermount3":
+        r = run(["fusermount3", "-u", str(mnt)])
+        assert r.returncode == 0, r.stderr
+    else:
+        mount.proc.send_signal(getattr(signal, how))
+    rc = mount.proc.wait(timeout=30)
+    mount.proc = None
+    assert rc == 0, mount.log_text()
+    assert not is_mounted(mnt)
+    assert lock_is_free(data)
+    text = mount.log_text()
+    assert "unmounted" in text
+    if how != "fusermount3":
+        assert f"signal {getattr(signal, how).value}: unmounting" in text
+    assert not mount.errors_logged(), mount.errors_logged()
+    assert_fsck_clean(data)
+    assert_remount_is_clean(data, mnt, {"d/f": payload})
+
+
+def test_sigterm_to_a_background_daemon(data_dir, tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    assert mount_cmd(data_dir, mnt).returncode == 0
+    (mnt / "f").write_bytes(b"data before SIGTERM\n")
+    pid = lock_holder_pid(data_dir)
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while not (process_gone(pid) and lock_is_free(data_dir)):
+        assert time.monotonic() < deadline, "daemon did not stop after SIGTERM"
+        time.sleep(0.02)
+    assert not is_mounted(mnt)
+    assert "unmounted" in (data_dir / "tierfs.log").read_text()
+    assert_fsck_clean(data_dir)
+    assert_remount_is_clean(data_dir, mnt, {"f": b"data before SIGTERM\n"})
+
+
+# --- refusals -------------------------------------------------------------------------------
+
+
+def test_second_mount_of_the_same_data_is_refused(mounted, tmp_path):
+    data = mounted.data
+    other = tmp_path / "mnt2"
+    other.mkdir()
+    (mounted.mountpoint / "f").write_text("first\n")
+    link = tmp_path / "data-link"
+    link.symlink_to(data)
+    for args in ([], ["-f"]):
+        for spelling in (data, link):
+            r = mount_cmd(spelling, other, *args)
+            assert_one_line_error(r, 1, "already mounted", f"pid {mounted.pid}",
+                                  str(mounted.mountpoint), prefix="mount.tierfs: ")
+            assert not is_mounted(other)
+    # the first mount is undisturbed
+    assert mounted.proc.poll() is None
+    assert (mounted.mountpoint / "f").read_text() == "first\n"
+    (mounted.mountpoint / "g").write_text("second\n")
+    assert lock_holder_pid(data) == mounted.pid
+
+
+def _break_volume(tmp_path: Path, data: Path, other: Path, case: str):
+    """Damage DATA's volume set as ``case`` says; returns (fragments of the message, fix)."""
+    aside = tmp_path / "aside"
+
+    def swap(a: str, b: str):
+        os.rename(data / a, aside)
+        os.rename(data / b, data / a)
+        os.rename(aside, data / b)
+
+    def put_back():
+        if (data / "disk").exists() or (data / "disk").is_symlink():
+            os.rename(data / "disk", tmp_path / "rejected")
+        os.rename(aside, data / "disk")
+
+    if case == "removed":
+        os.rename(data / "disk", aside)
+        return ["/disk (DISK) is missing"], put_back
+    if case == "foreign":  # the DISK volume of another tierfs filesystem
+        os.rename(data / "disk", aside)
+        os.rename(other / "disk", data / "disk")
+        return ["/disk", "belongs to another tierfs filesystem"], put_back
+    if case == "empty-dir":
+        os.rename(data / "disk", aside)
+        (data / "disk").mkdir()
+        return ["/disk", "not a tierfs volume"], put_back
+    if case == "plain-file":
+        os.rename(data / "disk", aside)
+        (data / "disk").write_text("not a directory")
+        return ["/disk"], put_back
+    if case == "symlink-elsewhere":
+        os.rename(data / "disk", aside)
+        (data / "disk").symlink_to(other / "archive")
+        return ["/disk", "belongs to another tierfs filesystem"], put_back
+    if case == "swapped-within-fs":  # ssd and disk exchanged: the first one opened is named
+        swap("ssd", "disk")
+        return ["/ssd is volume"], lambda: swap("ssd", "disk")
+    version = data / "disk" / "VERSION"
+    saved = version.read_bytes()
+    if case == "wrong-type":
+        identity = json.loads(saved)
+        identity["storage_type"] = "SSD"
+        version.write_text(json.dumps(identity))
+        return ["/disk is a SSD volume, expected DISK"], lambda: version.write_bytes(saved)
+    assert case == "garbled-identity"
+    version.write_text("{not json")
+    return ["/disk has a malformed VERSION file"], lambda: version.write_bytes(saved)
+
+
+VOLUME_CASES = [(case, False) for case in (
+    "removed", "foreign", "empty-dir", "plain-file", "symlink-elsewhere", "swapped-within-fs",
+    "wrong-type", "garbled-identity")] + [("removed", True), ("foreign", True)]
+
+
+@pytest.mark.parametrize("case,background", VOLUME_CASES,
+                         ids=[f"{c}-{'bg' if b else 'fg'}" for c, b in VOLUME_CASES])
+def test_a_missing_or_swapped_volume_is_refused(tmp_path, case, background):
+    """The volume directories are checked against the namespace before anything is served;
+    the refusal is one line naming the volume, exit 1, and changes nothing: after putting the
+    right directory back, the filesystem mounts clean with its data."""
+    data, other = tmp_path / "data", tmp_path / "other"
+    mkfs(data)
+    mkfs(other)
+    mnt = tmp_path / "mnt"
+    mount = Mount(data, mnt).start()
+    payload = os.urandom(200_000)
+    (mnt / "f").write_bytes(payload)
+    mount.stop()
+    fragments, fix = _break_volume(tmp_path, data, other, case)
+    before = sorted(os.listdir(data))
+    r = mount_cmd(data, mnt, *([] if background else ["-f"]))
+    assert_one_line_error(r, 1, str(data), *fragments, prefix="mount.tierfs: ")
+    assert not is_mounted(mnt)
+    assert lock_is_free(data)
+    assert sorted(os.listdir(data)) == sorted(set(before) | ({"tierfs.log"} if background
+                                                             else set()))
+    fix()
+    assert_remount_is_clean(data, mnt, {"f": payload})
+
+
+def test_mount_point_problems_are_one_line_errors(tmp_path):
+    data = tmp_path / "data"
+    (tmp_path / "afile").write_text("x")
+    for mnt, args in ((tmp_path / "missing", []), (tmp_path / "missing", ["-f"]),
+                      (tmp_path / "afile", ["-f"]), (tmp_path / "afile", [])):
+        r = mount_cmd(data, mnt, *args)
+        assert_one_line_error(r, 1, str(mnt), "does not exist or is not a directory",
+                              prefix="mount.tierfs: ")
+        # nothing made but, in background mode, the log file the error is not written to
+        assert not data.exists() or os.listdir(data) == ["tierfs.log"], os.listdir(data)
+    assert not (data / "namespace").exists()
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["fg", "bg"])
+def test_a_non_tierfs_data_directory_is_refused(tmp_path, background):
+    data = tmp_path / "data"
+    (data / "photos").mkdir(parents=True)
+    (data / "photos" / "cat.jpg").write_bytes(b"\xff\xd8 not really")
+    (data / "notes").write_text("mine\n")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    before = sorted(str(p.relative_to(data)) for p in data.rglob("*"))
+    r = mount_cmd(data, mnt, *([] if background else ["-f"]))
+    assert_one_line_error(r, 1, str(data), "neither empty nor a tierfs filesystem",
+                          prefix="mount.tierfs: ")
+    assert not is_mounted(mnt)
+    after = sorted(str(p.relative_to(data)) for p in data.rglob("*"))
+    if background:  # the background daemon opens DATA/tierfs.log before it looks (reported)
+        after = [p for p in after if p != "tierfs.log"]
+    assert after == before
+    # a file where DATA should be
+    r = mount_cmd(tmp_path / "data" / "notes", mnt, *([] if background else ["-f"]))
+    assert_one_line_error(r, 1, "notes", prefix="mount.tierfs: ")
+
+
+def test_an_unknown_fuse_option_fails_and_leaves_the_filesystem_clean(data_dir, tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = mount_cmd(data_dir, mnt, "-f", "-o", "no_such_option")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.splitlines()[-1].startswith("mount.tierfs: "), r.stderr
+    assert not is_mounted(mnt)
+    r = mount_cmd(data_dir, mnt, "-o", "no_such_option")  # background: one line
+    assert_one_line_error(r, 1, "FUSE mount", prefix="mount.tierfs: ")
+    assert lock_is_free(data_dir)
+    assert_remount_is_clean(data_dir, mnt)
+
+
+def test_mount_usage_errors(tmp_path):
+    for args in ([], [str(tmp_path)], ["a", "b", "c"], ["--bogus", "a", "b"]):
+        r = run([MOUNT_TIERFS, *args])
+        assert r.returncode == 2, (args, r.stderr)
+        assert "Traceback" not in r.stderr
+        assert "usage: mount.tierfs" in r.stderr
+
+
+# --- allow_other ----------------------------------------------------------------------------
+
+
+def test_allow_other_lets_other_users_in(mounted):
+    """With ``-o allow_other`` (the fixture's mount) another user lists and reads the mount;
+    permissions are still enforced (default_permissions)."""
+    mnt = mounted.mountpoint
+    (mnt / "public").write_text("for everyone\n")
+    (mnt / "private").write_text("root only\n")
+    os.chmod(mnt / "private", 0o600)
+    options = next(line.split()[3] for line in open("/proc/mounts")
+                   if line.split()[1] == str(mnt))
+    assert {"allow_other", "default_permissions"} <= set(options.split(","))
+    # relative paths from a cwd inside the mount: nobody may not traverse pytest's tmp dirs
+    r = run([*NOBODY, "ls", "-a", "."], cwd=mnt)
+    assert (r.returncode, r.stdout.split()) == (0, [".", "..", "private", "public"]), r.stderr
+    r = run([*NOBODY, "cat", "public"], cwd=mnt)
+    assert (r.returncode, r.stdout) == (0, "for everyone\n")
+    r = run([*NOBODY, "cat", "private"], cwd=mnt)
+    assert r.returncode == 1 and "Permission denied" in r.stderr
+    r = run([*NOBODY, "touch", "new"], cwd=mnt)
+    assert r.returncode == 1 and "Permission denied" in r.stderr
+    os.chmod(mnt, 0o1777)
+    r = run([*NOBODY, "sh", "-c", "echo mine > new && stat -c '%u %g' new"], cwd=mnt)
+    assert (r.returncode, r.stdout) == (0, "65534 65534\n"), r.stderr
+
+
+def test_without_allow_other_other_users_are_kept_out(make_mount):
+    mount = make_mount(options="")
+    mnt = mount.mountpoint
+    (mnt / "public").write_text("x")
+    options = next(line.split()[3] for line in open("/proc/mounts")
+                   if line.split()[1] == str(mnt))
+    assert "allow_other" not in options.split(",")
+    r = run([*NOBODY, "ls", "."], cwd=mnt)
+    assert r.returncode == 2 and "Permission denied" in r.stderr, (r.returncode, r.stderr)
+    r = run([*NOBODY, "cat", "public"], cwd=mnt)
+    assert r.returncode == 1 and "Permission denied" in r.stderr
+    assert run(["ls", "."], cwd=mnt).stdout.split() == ["public"]
+
+
+# --- tierfs mkfs ----------------------------------------------------------------------------
+
+
+def test_mkfs_success_output(tmp_path):
+    data = tmp_path / "data"
+    r = run([TIERFS, "mkfs", str(data), "--volume", f"SSD:{tmp_path}/fast:1G",
+             "--volume", f"DISK:{tmp_path}/slow", "--replication", "2", "--block-size", "1M",
+             "--default-policy", "one_ssd"])
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("tierfs filesystem ") and lines[0].endswith(
+        f"created in {data}")
+    assert len(lines) == 4, r.stdout
+    assert "SSD" in lines[1] and f"{tmp_path}/fast" in lines[1] and "capacity" in lines[1]
+    assert "DISK" in lines[2] and f"{tmp_path}/slow" in lines[2]
+    assert "block size 1048576" in lines[3] and "replication 2" in lines[3]
+    assert "default policy ONE_SSD" in lines[3]
+    mount = Mount(data, tmp_path / "mnt").start()
+    try:
+        (tmp_path / "mnt" / "f").write_bytes(b"x" * 3_000_000)
+    finally:
+        mount.stop()
+    # ONE_SSD, replication 2 over an SSD and a DISK volume: every block has a data file on each
+    fast = {p.name for p in (tmp_path / "fast").rglob("blk_*") if "meta" not in p.name}
+    slow = {p.name for p in (tmp_path / "slow").rglob("blk_*") if "meta" not in p.name}
+    assert len(fast) == 3 and fast == slow
+    assert_fsck_clean(data)
+
+
+MKFS_ERRORS = [
+    # (extra args, exit code, fragments)
+    (["--volume", "FOO:{tmp}/v"], 2, ["unknown storage type 'FOO'"]),
+    (["--volume", "SSD"], 2, ["invalid volume 'SSD'"]),
+    (["--volume", "SSD:"], 2, ["invalid volume"]),
+    (["--volume", "SSD:{tmp}/v:1:2"], 2, ["invalid volume"]),
+    (["--volume", "SSD:{tmp}/v:10Q"], 2, ["invalid size '10Q'"]),
+    (["--volume", "SSD:{tmp}/v:0"], 2, ["capacity must be positive"]),
+    (["--volume", "SSD:{tmp}/v", "--volume", "DISK:{tmp}/v"], 2, ["share a directory"]),
+    (["--block-size", "12X"], 2, ["invalid size '12X'"]),
+    (["--block-size", "-1"], 2, ["invalid size"]),
+    (["--block-size", "2G"], 2, ["--block-size"]),
+    (["--block-size", "1000"], 2, ["--block-size"]),
+    (["--bytes-per-checksum", "100"], 2, ["--bytes-per-checksum"]),
+    (["--bytes-per-checksum", "lots"], 2, ["invalid size 'lots'"]),
+    (["--replication", "4"], 2, ["--replication", "(3)"]),
+    (["--replication", "0"], 2, ["--replication"]),
+    (["--replication", "2", "--volume", "SSD:{tmp}/v"], 2, ["--replication", "(1)"]),
+    (["--replication", "two"], 2, ["--replication"]),
+    (["--default-policy", "NOPE"], 2, ["NOPE"]),
+    (["--policy-on-rename", "sometimes"], 2, ["--policy-on-rename"]),
+    (["--no-such-flag"], 2, ["--no-such-flag"]),
+]
+
+
+@pytest.mark.parametrize("args,code,fragments", MKFS_ERRORS,
+                         ids=[" ".join(a) for a, _, _ in MKFS_ERRORS])
+def test_mkfs_errors(tmp_path, args, code, fragments):
+    data = tmp_path / "data"
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    r = run([TIERFS, "mkfs", str(data), *args])
+    assert_one_line_error(r, code, *fragments, prefix="tierfs")
+    assert not data.exists(), "a refused mkfs created the data directory"
+    assert not (tmp_path / "v").exists(), "a refused mkfs created a volume"
+
+
+def test_mkfs_refuses_an_existing_filesystem_and_leaves_it_intact(mounted, tmp_path):
+    data = mounted.data
+    (mounted.mountpoint / "f").write_text("precious\n")
+    before = json.loads((data / "ssd" / "VERSION").read_text())
+    for extra in ([], ["--replication", "2"]):
+        r = run([TIERFS, "mkfs", str(data), *extra])
+        assert_one_line_error(r, 1, str(data), "already holds a tierfs filesystem",
+                              prefix="tierfs mkfs: ")
+    assert json.loads((data / "ssd" / "VERSION").read_text()) == before
+    assert (mounted.mountpoint / "f").read_text() == "precious\n"
+    mounted.stop()
+    r = run([TIERFS, "mkfs", str(data)])
+    assert_one_line_error(r, 1, "already holds a tierfs filesystem")
+    assert_remount_is_clean(data, mounted.mountpoint, {"f": b"precious\n"})
+
+
+def test_mkfs_refuses_a_non_empty_volume_directory(tmp_path):
+    """Nothing is formatted when any volume is refused, so the same command works once the
+    problem is fixed."""
+    (tmp_path / "v").mkdir()
+    (tmp_path / "v" / "someone_elses").write_text("keep me")
+    cmd = [TIERFS, "mkfs", str(tmp_path / "data"), "--volume", f"SSD:{tmp_path}/first",
+           "--volume", f"DISK:{tmp_path}/v"]
+    r = run(cmd)
+    assert_one_line_error(r, 1, f"{tmp_path}/v", "not empty", prefix="tierfs mkfs: ")
+    assert os.listdir(tmp_path / "v") == ["someone_elses"]
+    assert not (tmp_path / "first" / "VERSION").exists(), "a refused mkfs formatted a volume"
+    os.rename(tmp_path / "v" / "someone_elses", tmp_path / "moved_away")
+    r = run(cmd)
+    assert r.returncode == 0, r.stderr
+    assert_fsck_clean(tmp_path / "data")
+    r = run([TIERFS, "mkfs", str(tmp_path / "data2"), "--volume",
+             f"DISK:{tmp_path}/moved_away"])
+    assert_one_line_error(r, 1, "not a directory", prefix="tierfs mkfs: ")
+
+
+def test_no_traceback_from_tools_on_odd_input(tmp_path):
+    """A grab bag of user mistakes: every one is a short message, never a traceback."""
+    cmds = [[TIERFS], [TIERFS, "nosuchcommand"], [TIERFS, "mkfs"], [TIERFS, "fsck"],
+            [TIERFS, "fsck", str(tmp_path / "nothing")],
+            [TIERFS, "mkfs", "/proc/tierfs-cannot-be-here"],
+            [MOUNT_TIERFS, str(tmp_path / "d"), str(tmp_path / "m"), "-o", ""]]
+    for cmd in cmds:
+        r = run(cmd)
+        assert r.returncode != 0, cmd
+        assert "Traceback" not in r.stderr, (cmd, r.stderr)
+        assert 1 <= len(r.stderr.splitlines()) <= 3, (cmd, r.stderr)
