@@ -112,10 +112,11 @@ class BlockIO:
             of.leased = True
 
     def release(self, of: OpenFile, *, writer: bool) -> None:
-        """One user is done; the last writer persists and drops the lease."""
+        """One user is done; once no writer is left, the lease (taken by a write or by a
+        truncate, which a read-only O_TRUNC open also does) is persisted away."""
         of.users -= 1
         of.writers -= int(writer)
-        if writer and of.writers == 0 and of.leased:
+        if of.writers == 0 and of.leased:
             self.persist(of, drop_lease=True)
             of.leased = False
             of.bumped.clear()
