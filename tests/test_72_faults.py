@@ -1,0 +1,517 @@
+"""Fault injection on replicated filesystems: damaged, missing, stale and unwritable replicas.
+
+Every test makes a filesystem with three DISK volumes (64 KiB blocks, 4 KiB chunks), mostly
+with replication 2 so that a spare volume exists, writes files through a real mount, then
+damages replica files on the volumes directly, as a failing disk or an operator would.
+
+What must hold (DESIGN.md section 4, seed 002):
+
+- a read that meets a corrupt, missing or stale replica fails over to another one and returns
+  the right bytes; the daemon's log names the bad replica; the replication monitor drops it
+  (never the last one) and copies a good replica, so the block is back to full replication
+  within seconds, as the volumes, ``user.tierfs.placement`` and ``tierfs fsck`` show;
+- with no good replica left a read gives EIO, never wrong data, and nothing is deleted;
+- a replica that cannot be written during a write is dropped from the pipeline: the write
+  goes on, the block continues on the other replicas under a new generation stamp (the meta
+  file names show it) and the failed replica is stale from then on;
+- a volume that disappears does not stop reads;
+- a stale replica (an older stamp than the namespace's) is never served.
+
+Reads go through O_DIRECT, which bypasses the page cache, so they reach the daemon.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import random
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import Mount, run_tool
+
+BLOCK = 64 * 1024
+CHUNK = 4096
+PAGE = mmap.PAGESIZE
+SMALL_BLOCKS = ("--block-size", "64K", "--bytes-per-checksum", "4096")
+REPAIR_TIMEOUT = 15.0
+PLACEMENT = "user.tierfs.placement"
+
+BLOCK_LINE = re.compile(r"^(\d+)\. blk_(\d+)_(\d+) len=(\d+) Live_repl=(\d+)(.*)$")
+LOCATION = re.compile(r"\[([^,\]]+),([^,\]]+),([A-Z_]+)\](\([A-Z]+\))?")
+META_NAME = re.compile(r"^blk_(\d+)_(\d+)\.meta$")
+PROBLEM = re.compile(r"^([A-Z][A-Z_]+): ", re.MULTILINE)
+
+
+# --- helpers ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def make_fs(tmp_path):
+    """make_fs(replication): mkfs with three DISK volumes d1, d2, d3 and small blocks, then
+    mount. Tests unmount and check themselves; a failed test's daemon is killed here."""
+    mounts: list[Mount] = []
+
+    def factory(replication: int) -> Mount:
+        data = tmp_path / "data"
+        run_tool("mkfs", str(data), *SMALL_BLOCKS, "--replication", str(replication),
+                 *(f"--volume=DISK:{data / d}" for d in ("d1", "d2", "d3")))
+        mount = Mount(data, tmp_path / "mnt").start()
+        mounts.append(mount)
+        return mount
+
+    yield factory
+    for mount in mounts:
+        if mount.proc is not None:
+            mount.kill()
+
+
+def leaf_dir(volume: Path, block_id: int) -> Path:
+    return (volume / "current" / "finalized" / f"subdir{(block_id >> 16) & 0x1F}"
+            / f"subdir{(block_id >> 8) & 0x1F}")
+
+
+def data_file(volume: Path, block_id: int) -> Path:
+    return leaf_dir(volume, block_id) / f"blk_{block_id}"
+
+
+def meta_gss(volume: Path, block_id: int) -> list[int]:
+    leaf = leaf_dir(volume, block_id)
+    if not leaf.is_dir():
+        return []
+    return sorted(int(m.group(2)) for m in map(META_NAME.match, os.listdir(leaf))
+                  if m and int(m.group(1)) == block_id)
+
+
+def meta_file(volume: Path, block_id: int, gs: int) -> Path:
+    return leaf_dir(volume, block_id) / f"blk_{block_id}_{gs}.meta"
+
+
+def blocks_of(data: Path, path: str) -> list[dict]:
+    """The namespace's block map of one file (``tierfs fsck PATH --files --blocks
+    --locations``, read-only, also beside a mount): index, id, gs, len, live, volumes, marks."""
+    result = run_tool("fsck", str(data), path, "--files", "--blocks", "--locations",
+                      check=False)
+    assert result.returncode in (0, 1), result.stdout + result.stderr
+    blocks = []
+    for line in result.stdout.splitlines():
+        m = BLOCK_LINE.match(line)
+        if m:
+            locations = LOCATION.findall(m.group(6))
+            blocks.append({"index": int(m.group(1)), "id": int(m.group(2)),
+                           "gs": int(m.group(3)), "len": int(m.group(4)),
+                           "live": int(m.group(5)),
+                           "volumes": [Path(v) for v, _, _, _ in locations],
+                           "marks": [mark for _, _, _, mark in locations]})
+    return blocks
+
+
+def fsck(data: Path, *args: str) -> tuple[int, str]:
+    result = run_tool("fsck", str(data), *args, check=False)
+    assert "Traceback" not in result.stderr, result.stderr
+    return result.returncode, result.stdout
+
+
+def problem_kinds(output: str) -> list[str]:
+    return sorted(PROBLEM.findall(output))
+
+
+def write_file(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def direct_read(path: Path, offset: int = 0, size: int | None = None) -> bytes:
+    """O_DIRECT read (page-aligned): bypasses the page cache, so the daemon serves it."""
+    if size is None:
+        size = os.stat(path).st_size - offset
+    start = offset - offset % PAGE
+    span = max(PAGE, -(-(offset + size - start) // PAGE) * PAGE)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        buf = mmap.mmap(-1, span)
+        try:
+            got = bytearray()
+            while len(got) < span:
+                n = os.preadv(fd, [buf], start + len(got))
+                if n <= 0:
+                    break
+                got += buf[:n]
+        finally:
+            buf.close()
+    finally:
+        os.close(fd)
+    return bytes(got[offset - start:offset - start + size])
+
+
+def direct_read_errno(path: Path, offset: int, size: int) -> int:
+    try:
+        direct_read(path, offset, size)
+    except OSError as exc:
+        return exc.errno
+    return 0
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    fd = os.open(path, os.O_RDWR)
+    try:
+        old = os.pread(fd, 1, offset)
+        assert len(old) == 1, f"{path} has no byte {offset}"
+        os.pwrite(fd, bytes([old[0] ^ 0x5A]), offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def placement(path: Path) -> str:
+    return os.getxattr(path, PLACEMENT).decode()
+
+
+def replicas_ok(data: Path, rel: str, content: bytes, replication: int) -> str | None:
+    """None if every block of the file has ``replication`` good replicas, each a data file
+    equal to the file's bytes and one meta file of the block's stamp; else what is wrong."""
+    blocks = blocks_of(data, rel)
+    if not blocks:
+        return "no blocks listed"
+    for b in blocks:
+        where = f"block {b['index']} (blk_{b['id']}_{b['gs']})"
+        if b["live"] != replication or len(b["volumes"]) != replication or any(b["marks"]):
+            return f"{where}: live {b['live']}, on {b['volumes']} {b['marks']}"
+        want = content[b["index"] * BLOCK:b["index"] * BLOCK + b["len"]]
+        for vol in b["volumes"]:
+            if meta_gss(vol, b["id"]) != [b["gs"]]:
+                return f"{where}: meta files on {vol}: {meta_gss(vol, b['id'])}"
+            if data_file(vol, b["id"]).read_bytes() != want:
+                return f"{where}: replica on {vol} differs from the file"
+    return None
+
+
+def wait_for_full_replication(mount: Mount, rel: str, content: bytes, replication: int,
+                              nblocks: int) -> list[dict]:
+    """Poll (the monitor works in ~0.5 s rounds) until every block is fully replicated."""
+    path = mount.mountpoint / rel.lstrip("/")
+    wanted = f"DISK:{replication} x{nblocks}"
+    deadline = time.monotonic() + REPAIR_TIMEOUT
+    while True:
+        problem = replicas_ok(mount.data, rel, content, replication)
+        if problem is None and placement(path) == wanted:
+            return blocks_of(mount.data, rel)
+        if time.monotonic() > deadline:
+            pytest.fail(f"{rel} not back to {replication} replicas within {REPAIR_TIMEOUT} s: "
+                        f"{problem}; placement {placement(path)!r}\n{mount.log_text()}")
+        time.sleep(0.3)
+
+
+def error_lines(mount: Mount) -> list[str]:
+    lines = mount.errors_logged()
+    assert not any("Traceback" in line for line in lines), mount.log_text()
+    return lines
+
+
+def finish(mount: Mount) -> None:
+    """Unmount; fsck must report nothing."""
+    mount.stop()
+    code, out = fsck(mount.data)
+    assert code == 0, out
+
+
+def pattern(seed: int, size: int) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+# --- one bad replica: reads fail over, the monitor repairs --------------------------------------
+
+
+def _flip_data(vol: Path, bid: int, gs: int) -> None:
+    flip_byte(data_file(vol, bid), 5000)          # in chunk 1
+
+
+def _flip_meta(vol: Path, bid: int, gs: int) -> None:
+    flip_byte(meta_file(vol, bid, gs), meta_file(vol, bid, gs).stat().st_size - 2)
+
+
+def _delete_data(vol: Path, bid: int, gs: int) -> None:
+    data_file(vol, bid).unlink()
+
+
+def _delete_meta(vol: Path, bid: int, gs: int) -> None:
+    meta_file(vol, bid, gs).unlink()
+
+
+DAMAGE = {"flipped data byte": (_flip_data, "checksum error"),
+          "flipped checksum byte": (_flip_meta, "checksum error"),
+          "data file deleted": (_delete_data, "is missing"),
+          "meta file deleted": (_delete_meta, "is missing")}
+
+
+CASES = [(damage, 2) for damage in DAMAGE] + [("flipped data byte", 3),
+                                                ("data file deleted", 3)]
+
+
+@pytest.mark.parametrize(("damage", "replication"), CASES)
+def test_bad_replica_is_read_around_and_replaced(make_fs, tmp_path, damage, replication):
+    mount = make_fs(replication)
+    content = pattern(1, 3 * BLOCK + 7000)
+    path = mount.mountpoint / "f"
+    write_file(path, content)
+    blocks = wait_for_full_replication(mount, "/f", content, replication, 4)
+    victim = blocks[1]
+    # Reads prefer the fastest type, then the lowest volume id: damage that replica.
+    bad_vol = min(victim["volumes"], key=lambda v: v.name)
+    DAMAGE[damage][0](bad_vol, victim["id"], victim["gs"])
+
+    assert direct_read(path) == content
+    start = BLOCK + CHUNK
+    assert direct_read(path, start, 2 * CHUNK) == content[start:start + 2 * CHUNK]
+    after = wait_for_full_replication(mount, "/f", content, replication, 4)
+    assert [(b["id"], b["gs"]) for b in after] == [(b["id"], b["gs"]) for b in blocks]
+    assert [b["volumes"] for i, b in enumerate(after) if i != 1] == \
+        [b["volumes"] for i, b in enumerate(blocks) if i != 1]
+    assert direct_read(path) == content
+
+    errors = error_lines(mount)
+    assert errors, "the bad replica was not reported"
+    for line in errors:
+        assert f"block {victim['id']}" in line and str(bad_vol) in line, line
+        assert DAMAGE[damage][1] in line, line
+    finish(mount)
+
+
+def test_all_replicas_bad_gives_eio_and_keeps_them(make_fs, tmp_path):
+    mount = make_fs(2)
+    content = pattern(2, 3 * BLOCK)
+    path = mount.mountpoint / "f"
+    write_file(path, content)
+    blocks = wait_for_full_replication(mount, "/f", content, 2, 3)
+    victim = blocks[1]
+    for vol in victim["volumes"]:
+        flip_byte(data_file(vol, victim["id"]), 2 * CHUNK + 17)      # chunk 2 of block 1
+    bad_chunk = BLOCK + 2 * CHUNK
+
+    assert direct_read_errno(path, bad_chunk, CHUNK) == errno.EIO
+    assert direct_read_errno(path, 0, 3 * BLOCK) == errno.EIO
+    # Chunks that verify are still served, in the damaged block too; never wrong bytes.
+    assert direct_read(path, 0, bad_chunk) == content[:bad_chunk]
+    assert direct_read(path, bad_chunk + CHUNK, 2 * BLOCK - 3 * CHUNK) == \
+        content[bad_chunk + CHUNK:]
+    # The monitor must not delete the last replicas: give it several rounds.
+    time.sleep(2.0)
+    for vol in victim["volumes"]:
+        assert data_file(vol, victim["id"]).exists()
+        assert meta_gss(vol, victim["id"]) == [victim["gs"]]
+    assert direct_read_errno(path, bad_chunk, CHUNK) == errno.EIO
+    assert placement(path) == "DISK:2 x3"
+    assert any("no good replica" in line for line in error_lines(mount)), mount.log_text()
+    for line in error_lines(mount):
+        assert f"block {victim['id']}" in line, line
+    mount.stop()
+
+    code, out = fsck(mount.data)
+    assert code == 1
+    assert problem_kinds(out) == ["CORRUPT_REPLICA", "CORRUPT_REPLICA", "LOST_BLOCK"], out
+    assert out.count("checksum mismatch in chunk(s) 2 (no other good replica: kept)") == 2, out
+    code, out = fsck(mount.data, "--repair")
+    assert code == 1 and "Repaired 0 of 3 problems; 3 left." in out, out
+    for vol in victim["volumes"]:
+        assert data_file(vol, victim["id"]).exists(), "repair destroyed the last replicas"
+    mount.start()
+    assert direct_read_errno(path, bad_chunk, CHUNK) == errno.EIO
+    assert direct_read(path, 0, bad_chunk) == content[:bad_chunk]
+    mount.stop()
+
+
+# --- a replica that cannot be written during a write --------------------------------------------
+
+
+def chattr(flag: str, path: Path) -> None:
+    subprocess.run(["chattr", flag, str(path)], check=True, capture_output=True)
+
+
+def test_unwritable_replica_is_dropped_from_the_write_pipeline(make_fs, tmp_path):
+    """``chattr +i`` on one replica's data file makes the daemon's pwrite fail with EPERM
+    (root ignores mode bits, so chmod would not). The writer must not notice: the block
+    goes on on the other replica under a new stamp, and the old one is stale."""
+    mount = make_fs(2)
+    path = mount.mountpoint / "long"
+    content = bytearray()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    immutable: Path | None = None
+    try:
+        piece = pattern(3, 20_000)
+        os.write(fd, piece)
+        content += piece
+        os.fsync(fd)
+        (first,) = blocks_of(mount.data, "/long")
+        assert len(first["volumes"]) == 2
+        failed_vol, good_vol = sorted(first["volumes"])
+        immutable = data_file(failed_vol, first["id"])
+        chattr("+i", immutable)
+        for i in range(12):                           # into block 0, then on to block 3
+            piece = pattern(10 + i, 15_000)
+            assert os.write(fd, piece) == len(piece)
+            content += piece
+            assert os.fsync(fd) is None
+        blocks = blocks_of(mount.data, "/long")
+        assert [b["index"] for b in blocks] == [0, 1, 2, 3]
+        b0 = blocks[0]
+        assert b0["id"] == first["id"] and b0["gs"] > first["gs"]
+        assert b0["volumes"] == [good_vol]
+        assert meta_gss(good_vol, b0["id"]) == [b0["gs"]]
+        assert meta_gss(failed_vol, b0["id"]) == [first["gs"]], "the failed replica is stale"
+        assert data_file(good_vol, b0["id"]).read_bytes() == content[:BLOCK]
+        assert direct_read(path) == content
+        for b in blocks[1:]:
+            assert len(b["volumes"]) == 2, b
+    finally:
+        os.close(fd)
+        if immutable is not None:
+            chattr("-i", immutable)
+    assert direct_read(path) == content
+    errors = error_lines(mount)
+    assert errors and all(f"block {first['id']}" in line for line in errors), errors
+    assert any("Operation not permitted" in line and str(failed_vol) in line
+               for line in errors), errors
+    mount.stop()
+    # The failed replica's files could not be deleted while immutable; the next mount
+    # deletes them and the monitor brings block 0 back to two replicas.
+    mount.start()
+    wait_for_full_replication(mount, "/long", bytes(content), 2, 4)
+    assert meta_gss(failed_vol, first["id"]) in ([], [b0["gs"]])
+    finish(mount)
+
+
+# --- a volume that disappears -------------------------------------------------------------------
+
+
+def test_volume_moved_away_reads_fail_over(make_fs, tmp_path):
+    mount = make_fs(2)
+    content = pattern(4, 3 * BLOCK + 100)
+    path = mount.mountpoint / "f"
+    write_file(path, content)
+    blocks = wait_for_full_replication(mount, "/f", content, 2, 4)
+    gone = min(blocks[0]["volumes"], key=lambda v: v.name)
+    on_gone = [b for b in blocks if gone in b["volumes"]]
+    away = gone.with_name(gone.name + ".away")
+    gone.rename(away)
+    try:
+        for _ in range(2):
+            assert direct_read(path) == content
+        # The monitor drops the replicas it cannot read from the block map (fsck cannot
+        # run while a volume is missing; the placement xattr shows the block map).
+        kept = len(blocks) - len(on_gone)
+        wanted = "; ".join([f"DISK:1 x{len(on_gone)}"] + ([f"DISK:2 x{kept}"] if kept else []))
+        deadline = time.monotonic() + REPAIR_TIMEOUT
+        while placement(path) != wanted:
+            assert time.monotonic() < deadline, (placement(path), mount.log_text())
+            time.sleep(0.3)
+        assert direct_read(path) == content
+    finally:
+        away.rename(gone)
+    errors = error_lines(mount)
+    assert errors and all(str(gone) in line for line in errors), errors
+    assert {int(m) for line in errors for m in re.findall(r"block (\d+)", line)} == \
+        {b["id"] for b in on_gone}
+    mount.stop()
+
+    # The volume is back with replica files the namespace no longer refers to.
+    code, out = fsck(mount.data)
+    assert code == 1
+    assert problem_kinds(out) == ["ORPHAN_REPLICA"] * len(on_gone), out
+    code, out = fsck(mount.data, "--repair")
+    assert code == 1 and "0 left" in out, out
+    code, out = fsck(mount.data)
+    assert code == 0, out
+    for b in on_gone:
+        assert not data_file(gone, b["id"]).exists() and meta_gss(gone, b["id"]) == []
+    mount.start()
+    wait_for_full_replication(mount, "/f", content, 2, 4)
+    finish(mount)
+
+
+# --- stale replicas ------------------------------------------------------------------------------
+
+
+def _stale_setup(make_fs, tmp_path: Path):
+    """A file whose block 0 is appended to after a copy of one replica was saved."""
+    mount = make_fs(2)
+    path = mount.mountpoint / "f"
+    old = pattern(5, 10_000)
+    write_file(path, old)
+    (b,) = wait_for_full_replication(mount, "/f", old, 2, 1)
+    vol = min(b["volumes"], key=lambda v: v.name)      # the replica reads prefer
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    shutil.copy2(data_file(vol, b["id"]), saved / "data")
+    shutil.copy2(meta_file(vol, b["id"], b["gs"]), saved / "meta")
+    new = old + pattern(6, 5000)
+    with open(path, "ab") as f:
+        f.write(new[len(old):])
+        f.flush()
+        os.fsync(f.fileno())
+    (b2,) = wait_for_full_replication(mount, "/f", new, 2, 1)
+    assert b2["id"] == b["id"] and b2["gs"] > b["gs"]
+    assert b2["volumes"] == b["volumes"]
+
+    def put_back() -> None:
+        """Replace the replica on ``vol`` by the saved, older one."""
+        for gs in meta_gss(vol, b["id"]):
+            meta_file(vol, b["id"], gs).unlink()
+        data_file(vol, b["id"]).unlink()
+        shutil.copy2(saved / "data", data_file(vol, b["id"]))
+        shutil.copy2(saved / "meta", meta_file(vol, b["id"], b["gs"]))
+
+    return mount, path, new, b2, vol, put_back
+
+
+def test_stale_replica_is_never_served_and_replaced(make_fs, tmp_path):
+    mount, path, new, b, vol, put_back = _stale_setup(make_fs, tmp_path)
+    put_back()
+    assert direct_read(path) == new
+    wait_for_full_replication(mount, "/f", new, 2, 1)
+    assert direct_read(path) == new
+    errors = error_lines(mount)
+    assert errors and all(f"block {b['id']}" in line and str(vol) in line
+                          for line in errors), errors
+    finish(mount)
+
+
+def test_stale_replica_put_back_while_unmounted_is_never_served(make_fs, tmp_path):
+    mount, path, new, b, vol, put_back = _stale_setup(make_fs, tmp_path)
+    mount.stop()
+    put_back()
+    mount.start()
+    assert direct_read(path) == new
+    wait_for_full_replication(mount, "/f", new, 2, 1)
+    assert meta_gss(vol, b["id"]) in ([], [b["gs"]])
+    finish(mount)
+
+
+def test_stale_replica_removed_by_fsck_repair(make_fs, tmp_path):
+    mount, path, new, b, vol, put_back = _stale_setup(make_fs, tmp_path)
+    mount.stop()
+    put_back()
+    code, out = fsck(mount.data)
+    assert code == 1 and problem_kinds(out) == ["STALE_REPLICA"], out
+    assert f"older than the namespace's {b['gs']}" in out, out
+    code, out = fsck(mount.data, "--repair")
+    assert code == 1 and "0 left" in out, out
+    assert not data_file(vol, b["id"]).exists() and meta_gss(vol, b["id"]) == []
+    code, out = fsck(mount.data)
+    assert code == 0, out
+    mount.start()
+    assert direct_read(path) == new
+    wait_for_full_replication(mount, "/f", new, 2, 1)
+    assert not any(" ERROR" in line for line in mount.log_text().splitlines()), mount.log_text()
+    finish(mount)
