@@ -242,7 +242,16 @@ class Operations(pyfuse3.Operations):
             changes["atime_ns"] = attr.st_atime_ns
         if fields.update_mtime:
             changes["mtime_ns"] = attr.st_mtime_ns
-        if changes or fields.update_ctime or not fields.update_size:
+        times_only = not {"mode", "uid", "gid"} & changes.keys()
+        if of is not None and times_only and (changes or fields.update_ctime):
+            # An open file's times live in memory until release or the one-second tick;
+            # with writeback caching the kernel flushes them here after every write burst,
+            # and two transactions each time would double the cost of a small file.
+            of.atime_ns = changes.get("atime_ns", of.atime_ns)
+            of.mtime_ns = changes.get("mtime_ns", of.mtime_ns)
+            of.ctime_ns = attr.st_ctime_ns if fields.update_ctime else now
+            of.attrs_dirty = True
+        elif changes or fields.update_ctime or not fields.update_size:
             if of is not None:
                 self.blockio.persist(of)
             # With writeback caching the kernel keeps ctime itself and sends it here; store
