@@ -656,6 +656,26 @@ def test_rename_updates_times(ns):
     assert ns.get_inode(f).ctime_ns == later and ns.get_inode(f).mtime_ns == NOW
 
 
+def test_times_of_names_and_inodes(ns):
+    a = mkdir(ns, ROOT_INO, b"a")
+    f = mkfile(ns, a, b"f")
+    t = NOW + 10
+    ns.link(f, ROOT_INO, b"l", t)  # the file's ctime, the new parent's mtime and ctime
+    assert ns.get_inode(f).ctime_ns == t and ns.get_inode(f).mtime_ns == NOW
+    assert ns.get_inode(ROOT_INO).mtime_ns == ns.get_inode(ROOT_INO).ctime_ns == t
+    assert ns.get_inode(a).mtime_ns == NOW
+    t += 10
+    ns.unlink(a, b"f", t, directory=False, busy=never_busy)
+    assert ns.get_inode(f).ctime_ns == t and ns.get_inode(f).mtime_ns == NOW
+    assert ns.get_inode(a).mtime_ns == ns.get_inode(a).ctime_ns == t
+    t += 10
+    mkdir(ns, a, b"sub")  # make_node stamps the parent with its own now_ns (NOW)
+    assert ns.get_inode(a).mtime_ns == NOW
+    t += 10
+    ns.set_xattr(f, b"user.x", b"1", t)
+    assert ns.get_inode(f).ctime_ns == t and ns.get_inode(f).mtime_ns == NOW
+
+
 # --- readdir ----------------------------------------------------------------------------------
 
 def test_readdir_order_limit_and_resume(ns):

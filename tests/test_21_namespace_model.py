@@ -34,7 +34,7 @@ from hypothesis.stateful import (
 from tierfs.fs import schema
 from tierfs.fs.errors import FsError
 from tierfs.fs.namespace import RENAME_EXCHANGE, RENAME_NOREPLACE, FsConfig, Namespace
-from tierfs.fs.schema import ROOT_INO
+from tierfs.fs.schema import ROOT_INO, Inherited
 
 NAMES = [b"a", b"b", b"c", b"d", b"e"]
 NOW = 1_700_000_000_000_000_000
@@ -47,12 +47,14 @@ perm_st = st.integers(0, 0o7777)
 
 
 class NamespaceModel(RuleBasedStateMachine):
+    rename_mode = "follow"
+
     def __init__(self):
         super().__init__()
         self.tmp = Path(tempfile.mkdtemp(prefix="tierfs-model-"))
         config = FsConfig(fs_uuid=str(uuid.uuid4()), block_size=1 << 20,
                           bytes_per_checksum=4096, replication=1, default_policy="HOT",
-                          rename_mode="follow")
+                          rename_mode=self.rename_mode)
         self.ns = Namespace.create(self.tmp / "ns", config, uid=0, gid=0, now_ns=NOW,
                                    root_mode=0o755)
         # the model
@@ -388,6 +390,15 @@ class NamespaceModel(RuleBasedStateMachine):
             self.perm[ino] = perm
             assert inode.mode == MODE_TYPE[self.kind[ino]] | perm
 
+    @rule(data=st.data(), value=st.one_of(st.none(), st.integers(1, 3)))
+    def set_inherited(self, data, value):
+        """Inherited-xattr ops change which code path a rename takes; the tree stays."""
+        live = sorted(set(self.kind) - self.orphans)
+        ino = data.draw(st.sampled_from(live + [self.max_ino + 1]), label="inode")
+        err = None if ino in self.kind else errno.ENOENT
+        self._expect(err, lambda: self.ns.set_inherited(ino, Inherited.REPLICATION, value,
+                                                        self._tick()))
+
     @precondition(lambda self: self.orphans)
     @rule(data=st.data())
     def purge_orphan(self, data):
@@ -494,7 +505,15 @@ class NamespaceModel(RuleBasedStateMachine):
         assert keys == list(range(1, self.txid + 1))
 
 
-NamespaceModel.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=30, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+class KeepModeNamespaceModel(NamespaceModel):
+    """The same in the non-rename-affected mode, where renames take the other code path."""
+
+    rename_mode = "keep"
+
+
+SETTINGS = settings(max_examples=125, stateful_step_count=30, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+NamespaceModel.TestCase.settings = SETTINGS
+KeepModeNamespaceModel.TestCase.settings = SETTINGS
 TestNamespaceModel = NamespaceModel.TestCase
+TestKeepModeNamespaceModel = KeepModeNamespaceModel.TestCase

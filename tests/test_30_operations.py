@@ -363,6 +363,23 @@ def test_a_file_replaced_by_rename_lives_until_forgotten(fs):
     fs.release(fh)
 
 
+def test_rename_over_an_unused_file_deletes_its_replicas_at_once(fs):
+    fh, old = fs.create(b"old")
+    fs.write(fh, 0, b"old data")
+    fs.release(fh)
+    fs.forget(old)
+    fh, new = fs.create(b"new")
+    fs.write(fh, 0, b"new data")
+    old_blocks = fs.block_files(old)
+    assert old_blocks <= fs.replica_files()
+    fs.call(fs.ops.rename, ROOT_INO, b"new", ROOT_INO, b"old", 0, fs.ctx)
+    assert fs.ns.orphans() == [] and fs.ns.trash() == []
+    assert not old_blocks & fs.replica_files()
+    assert fs.errno_of(fs.ops.getattr, old, fs.ctx) == errno.ENOENT
+    assert fs.read(fh, 0, 100) == b"new data"
+    fs.release(fh)
+
+
 def test_removed_directory_is_purged_when_forgotten(fs):
     d = fs.mkdir(b"d")
     fs.call(fs.ops.rmdir, ROOT_INO, b"d", fs.ctx)
@@ -698,10 +715,6 @@ def test_open_with_o_trunc(fs):
     fh, f = fs.create(b"f")
     fs.write(fh, 0, os.urandom(BS + 10))
     fs.release(fh)
-    # O_TRUNC with O_RDONLY truncates nothing (the kernel does not even pass it on)
-    fh = fs.open(f, os.O_RDONLY | os.O_TRUNC)
-    assert fs.getattr(f).st_size == BS + 10
-    fs.release(fh)
     fh = fs.open(f, os.O_WRONLY | os.O_TRUNC)
     assert fs.getattr(f).st_size == 0
     assert fs.replica_files() == set()
@@ -710,6 +723,20 @@ def test_open_with_o_trunc(fs):
     fh = fs.open(f, os.O_RDONLY)
     assert fs.read(fh, 0, 100) == b"fresh"
     fs.release(fh)
+    # Linux truncates for O_RDONLY|O_TRUNC too (the kernel checked write permission)
+    fh = fs.open(f, os.O_RDONLY | os.O_TRUNC)
+    assert fs.getattr(f).st_size == 0
+    assert fs.read(fh, 0, 100) == b""
+    fs.release(fh)
+    assert fs.ns.get_inode(f).size == 0 and fs.ns.get_blocks(f) == {}
+    # a reader that opened before sees the new length at once
+    fh = fs.open(f, os.O_RDWR)
+    fs.write(fh, 0, b"again")
+    reader = fs.open(f, os.O_RDONLY)
+    truncating = fs.open(f, os.O_WRONLY | os.O_TRUNC)
+    assert fs.read(reader, 0, 100) == b""
+    for h in (fh, reader, truncating):
+        fs.release(h)
 
 
 def test_getattr_shows_the_in_memory_size_of_a_file_open_for_writing(fs):
