@@ -38,7 +38,8 @@ KIND = re.compile(r"^([A-Z][A-Z_]+): ", re.MULTILINE)
 BIG = os.urandom(2_500_000)      # three 1 MiB blocks, the last one partial
 SUMMARY_LABELS = ("Status", "Total size", "Total dirs", "Total files", "Total symlinks",
                   "Total blocks (validated)", "Minimally replicated blocks",
-                  "Under-replicated blocks", "Corrupt blocks", "Missing replicas",
+                  "Over-replicated blocks", "Under-replicated blocks", "Mis-placed blocks",
+                  "Corrupt blocks", "Missing replicas",
                   "Orphan replicas", "Default replication factor",
                   "Average block replication", "Number of volumes")
 
@@ -264,13 +265,17 @@ def test_flipped_byte_dropped_when_another_replica_is_good(replicated, capsys):
     assert re.search(rf"CORRUPT_REPLICA: /f: replica blk_{rec.block_id}_{rec.gs} on "
                      rf"{re.escape(str(replicated / 'd1'))}: checksum mismatch in "
                      r"chunk\(s\) 3$", out, re.M), out
+    assert f"/f: Under replicated blk_{rec.block_id}_{rec.gs} (block 1). Target Replicas " \
+           "is 2 but found 1 live persistent replica(s)." in out
     repaired = assert_repairs(replicated, {"CORRUPT_REPLICA"}, capsys)
     assert "[repaired: replica dropped, files deleted]" in repaired
-    assert not data_file.exists() and not meta_file.exists()
-    assert blocks_at(replicated, "/f")[1].volumes == tuple(
-        v for v in rec.volumes if v != 1)
+    # d1 is the only other DISK volume: the block is copied back there from d2.
+    assert f"[repaired: 1 replica(s) added on {replicated / 'd1'} (DISK)]" in repaired
+    assert blocks_at(replicated, "/f")[1].volumes == (2, 1)
+    assert data_file.read_bytes() == replica_files(replicated / "d2", rec.block_id)[0] \
+        .read_bytes() == BIG[1 << 20:2 << 20]
     code, out, _ = fsck(replicated, capsys=capsys)
-    assert "Under-replicated blocks:\t1 " in out       # healthy: the satisfier's job
+    assert "Under-replicated blocks:\t0 " in out
 
 
 def test_flipped_byte_in_only_replica_is_a_lost_block(plain, capsys):
@@ -296,8 +301,12 @@ def test_missing_replica_file(replicated, which, capsys):
     (data_file if which == "data" else meta_file).unlink()
     code, out, _ = fsck(replicated, capsys=capsys)
     assert f"{which} file missing" in out and "Missing replicas:\t1 " in out
-    assert_repairs(replicated, {"MISSING_REPLICA"}, capsys)
-    assert not data_file.exists() and not meta_file.exists()
+    assert f"Under replicated blk_{rec.block_id}_{rec.gs}" in out
+    repaired = assert_repairs(replicated, {"MISSING_REPLICA"}, capsys)
+    # Dropped, then copied back from d1: d2 is the only other DISK volume.
+    assert f"1 replica(s) added on {replicated / 'd2'} (DISK)" in repaired
+    assert blocks_at(replicated, "/g")[0].volumes == (1, 2)
+    assert data_file.read_bytes() == b"g" * 5000 and meta_file.exists()
 
 
 def test_stray_block_file_is_an_orphan_replica(plain, capsys):

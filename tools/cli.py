@@ -113,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--files", action="store_true", help="list checked files")
     p.add_argument("--blocks", action="store_true", help="with --files: list blocks")
     p.add_argument("--locations", action="store_true", help="with --blocks: replicas")
+    p.add_argument("--storagepolicies", action="store_true", help="add the storage policy tables")
     p.set_defaults(func=_fsck)
 
     from tierfs.tools import policy

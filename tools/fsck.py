@@ -1,4 +1,4 @@
-"""``tierfs fsck DATA [PATH] [--repair] [--files [--blocks [--locations]]]``.
+"""``tierfs fsck DATA [PATH] [--repair] [--files [--blocks [--locations]]] [--storagepolicies]``.
 
 Checks a filesystem's namespace against itself and against its volumes, as HDFS's ``hdfs
 fsck`` checks the NameNode's view against the DataNodes' block reports and as e2fsck checks
@@ -27,6 +27,13 @@ What is checked
     meta counters (``next_ino``, ``next_block_id``, ``gs``, ``txid``) against what they count.
     When no daemon runs: leases and orphans left by a dead daemon, pending trash, and a state
     still ``mounted``: everything the next mount's recovery would do.
+    Replication and placement of every block not under a lease, from its good replicas and
+    its file's effective policy and replication (the rule is ``tierfs.satisfier.summary``'s,
+    shared with ``tierfs report``): under-replicated (fewer good persistent replicas than the
+    replication while one good replica exists; RAM_DISK is transient and counts for nothing,
+    so a block only on RAM_DISK is under-replicated, as an HDFS lazy-persist block), over-
+    replicated (more), mis-placed (a replica on a type the policy does not want while a
+    wanted one is missing, so that only a move fixes it).
 
 Mounted filesystems
     The namespace is opened read-only (LMDB allows readers beside the daemon) and its state is
@@ -51,25 +58,49 @@ Repair (``--repair``; refused while mounted: exit 2)
     are deleted after the transaction that stops referring to them commits. A missing,
     corrupt, stale or wrong-length replica is dropped only when its block keeps another good
     replica; a block without any is reported as lost and left alone (reads give EIO), so
-    nothing that might still be salvaged is destroyed. Fixes can uncover further problems
-    (a removed dentry leaves its file nameless), so check and repair alternate until nothing
-    repairable is left or no progress is made. The listing and summary then describe the
-    repaired filesystem.
+    nothing that might still be salvaged is destroyed. An under-replicated block gets copies
+    of a good replica (``backends/copy.py``: verified, installed durably) on the volumes that
+    ``fs/placement.py``'s ``choose_volumes`` picks for it, the daemon's rule for
+    re-replication (the policy's types, replication fallbacks, most free space, distinct
+    volumes), each recorded (``Namespace.add_replica``) only if the block's stamp is
+    unchanged; volumes that held a bad or unrecorded replica of the block are used only when
+    no other volume qualifies (HDFS does not pick nodes with a corrupt replica as targets
+    either). An over-replicated block loses its surplus, never going below its replication:
+    replicas of the types ``policy.choose_excess`` names, so those on a type the policy does
+    not want go first, of one type the one on the fullest volume; the record changes in one
+    transaction with a trash row, the files are deleted right after. Mis-placed blocks are
+    not moved: moving is the satisfier's and the mover's work, as in HDFS. Ctrl-C during a
+    copy leaves at most a copy in the target's ``tmp/`` (removed on the way out) or an
+    unrecorded replica file, which the next fsck reports and removes. Fixes can uncover
+    further problems (a removed dentry leaves its file nameless), so check and repair
+    alternate until nothing repairable is left or no progress is made. The listing and
+    summary then describe the repaired filesystem.
 
 Output
     HDFS-like: a header, the ``--files`` listing, one line per problem (``KIND: where: what``,
     with ``[repaired: ...]`` or ``[not repaired: ...]`` after a repair), notes, then the
     summary (``Status``, ``Total size``, ...) and last ``The filesystem under path 'P' is
-    HEALTHY`` (or ``CORRUPT``). ``--files`` lists each file once (by one of its names)
-    with its size and block count, ``--blocks`` adds ``blk_<id>_<gs> len=<n>`` per block,
-    ``--locations`` adds ``[<volume path>,<volume uuid>,<STORAGE_TYPE>]`` per replica (each
-    implies the ones before). Progress goes to stderr: a tqdm bar on a terminal, else a
-    status line every few seconds.
+    HEALTHY`` (or ``CORRUPT``). Replication and placement findings are lines in HDFS's own
+    style, ``P: Under replicated blk_<id>_<gs> (block i). Target Replicas is 2 but found 1
+    live persistent replica(s).`` (also ``Over replicated`` and ``Mis-placed``), so that a
+    line ``KIND: ...`` (other than ``NOTE``) always means a problem; they are counted in the
+    summary (``Over-replicated blocks``, ``Under-replicated blocks``, ``Mis-placed blocks``)
+    and do not change a file's ``OK`` in the listing. ``--storagepolicies`` adds the two
+    tables of ``hdfs fsck -storagepolicies`` (blocks satisfying their policy and not, per
+    combination of their good replicas' types, in scope) after the summary's counts and
+    before ``FSCK ended``, where HDFS prints them. ``--files`` lists each file once (by one of
+    its names) with its size and block count, ``--blocks`` adds ``blk_<id>_<gs> len=<n>``
+    per block, ``--locations`` adds ``[<volume path>,<volume uuid>,<STORAGE_TYPE>]`` per
+    replica (each implies the ones before). Progress goes to stderr: a tqdm bar on a
+    terminal, else a status line every few seconds (also while ``--repair`` copies).
 
 Exit codes
-    0 healthy (notes are not problems); 1 problems found, including with ``--repair`` when
-    every one was repaired (like e2fsck's "errors corrected"; the last line then says
-    HEALTHY, and a second fsck exits 0 unless blocks were lost); 2 usage or cannot run (DATA
+    0 healthy (notes are not problems; neither are under-, over-replicated or mis-placed
+    blocks: HDFS's fsck calls a filesystem with them HEALTHY, since the replication monitor
+    and the satisfier restore them while data stays readable); 1 problems found, including
+    with ``--repair`` when every one was repaired (like e2fsck's "errors corrected"; the last
+    line then says HEALTHY, and a second fsck exits 0 unless blocks were lost), but not when
+    ``--repair`` only re-replicated or removed excess replicas; 2 usage or cannot run (DATA
     is not a tierfs filesystem, the namespace is unreadable, a volume is missing or foreign,
     PATH does not exist, ``--repair`` on a mounted filesystem), one line on stderr; 130
     interrupted (Ctrl-C stops cleanly between two steps).
@@ -92,6 +123,7 @@ from typing import Callable, Iterator
 import lmdb
 import msgpack
 
+from tierfs.backends.copy import copy_error, copy_replica
 from tierfs.backends.meta import CRC_SIZE, HEADER_SIZE, num_chunks
 from tierfs.backends.volume import Volume
 from tierfs.backends.volume_set import VolumeSet
@@ -99,9 +131,12 @@ from tierfs.fs import schema
 from tierfs.fs.errors import ChecksumError, FsError, UsageError
 from tierfs.fs.mountlock import MountLock
 from tierfs.fs.namespace import Namespace
+from tierfs.fs.placement import choose_volumes
 from tierfs.fs.recovery import RecoveryReport, delete_trash, recover_lease
 from tierfs.fs.resolver import Resolver
 from tierfs.fs.schema import BlockRecord, Inode, Op, ROOT_INO, u64
+from tierfs.satisfier.policies import BlockStoragePolicy, storage_type_summary
+from tierfs.satisfier.summary import StoragePolicySummary
 from tierfs.tools.mkfs import NAMESPACE_DIR, is_filesystem
 
 STATUS_INTERVAL = 5.0
@@ -196,7 +231,8 @@ class _Silent(Progress):
 class Problem:
     """One thing wrong. ``action`` is ``(name, *args)`` for the repairer, None if fsck
     cannot repair it; ``key`` identifies it across two checks (mounted re-check, repair
-    passes)."""
+    passes). ``health`` False: a replication or placement finding, which leaves the
+    filesystem HEALTHY and is printed in HDFS's style; ``work``: bytes its fix copies."""
 
     kind: str
     where: str
@@ -205,9 +241,12 @@ class Problem:
     action: tuple | None = None
     outcome: str | None = None
     repaired: bool = False
+    health: bool = True
+    work: int = 0
 
     def line(self) -> str:
-        text = f"{self.kind}: {self.where}: {self.message}"
+        text = (f"{self.kind}: {self.where}: {self.message}" if self.health
+                else f"{self.where}: {self.message}")
         return f"{text} [{self.outcome}]" if self.outcome else text
 
 
@@ -219,7 +258,9 @@ class Stats:
     symlinks: int = 0
     blocks: int = 0
     minimally_replicated: int = 0
+    over_replicated: int = 0
     under_replicated: int = 0
+    misplaced: int = 0
     corrupt_blocks: int = 0
     recorded_replicas: int = 0
     missing_replicas: int = 0
@@ -240,12 +281,15 @@ class FsckReport:
     notes: list[str] = field(default_factory=list)
     stats: Stats = field(default_factory=Stats)
     listing: list[tuple[str, list[str]]] = field(default_factory=list)
+    placement: StoragePolicySummary | None = None
+    storage_policies: bool = False
     started: float = field(default_factory=time.time)
     elapsed: float = 0.0
 
     @property
     def healthy(self) -> bool:
-        return not self.problems
+        """No problem but replication and placement findings (the exit code's rule)."""
+        return not any(p.health for p in self.problems)
 
     def kinds(self) -> set[str]:
         return {p.kind for p in self.problems}
@@ -266,8 +310,11 @@ class FsckReport:
             f" Total blocks (validated):\t{s.blocks} (avg. block size {avg_block} B)",
             f" Minimally replicated blocks:\t{s.minimally_replicated} "
             f"({_percent(s.minimally_replicated, blocks)})",
+            f" Over-replicated blocks:\t{s.over_replicated} "
+            f"({_percent(s.over_replicated, blocks)})",
             f" Under-replicated blocks:\t{s.under_replicated} "
             f"({_percent(s.under_replicated, blocks)})",
+            f" Mis-placed blocks:\t{s.misplaced} ({_percent(s.misplaced, blocks)})",
             f" Corrupt blocks:\t{s.corrupt_blocks}",
             f" Missing replicas:\t{s.missing_replicas} "
             f"({_percent(s.missing_replicas, max(s.recorded_replicas, 1))})",
@@ -276,11 +323,18 @@ class FsckReport:
             f" Average block replication:\t{average:.1f}",
             f" Number of volumes:\t{s.volumes}",
             "",
+            *self.storage_policy_lines(),
             f"FSCK ended at {time.ctime(self.started + self.elapsed)} in "
             f"{int(self.elapsed * 1000)} milliseconds",
             "",
             f"The filesystem under path '{self.path}' is {status}",
         ]
+
+    def storage_policy_lines(self) -> list[str]:
+        """``--storagepolicies``: HDFS's two tables and a blank line, else nothing."""
+        if not self.storage_policies or self.placement is None:
+            return []
+        return [*self.placement.lines(), ""]
 
     def header(self) -> str:
         return (f"FSCK started for path '{self.path}' of {self.data_dir} at "
@@ -307,15 +361,18 @@ class RepairReport:
 
     @property
     def exit_code(self) -> int:
-        return 1 if self.before.problems else 0
+        """The first check's: 1 only for problems that made the filesystem CORRUPT."""
+        return 0 if self.before.healthy else 1
 
     def render(self) -> str:
-        fixed = sum(p.repaired for p in self.problems)
+        """The count line leaves out mis-placed blocks: fsck does not move blocks."""
+        counted = [p for p in self.problems if p.health or p.action]
+        left = [p for p in self.after.problems if p.health or p.action]
+        fixed = sum(p.repaired for p in counted)
         lines = [self.before.header(), *self.after.listing_lines()]
         lines += [p.line() for p in self.problems]
-        if self.problems:
-            lines.append(f"Repaired {fixed} of {len(self.problems)} problems; "
-                         f"{len(self.after.problems)} left.")
+        if counted:
+            lines.append(f"Repaired {fixed} of {len(counted)} problems; {len(left)} left.")
         lines += [f"NOTE: {n}" for n in self.after.notes]
         return "\n".join([*lines, "", *self.after.summary_lines()])
 
@@ -642,17 +699,21 @@ class _Checker:
         self.mounted = mounted
         self.progress = fsck.progress
         self.snap = Snapshot.load(ns)
-        self.report = FsckReport(fsck.data_dir, fsck.path, mounted)
+        self.report = FsckReport(fsck.data_dir, fsck.path, mounted,
+                                 storage_policies=fsck.storage_policies)
         self.report.stats.default_replication = ns.config.replication
         self.report.stats.volumes = len(volumes)
         self.whole = fsck.path == "/"
         self.resolver = Resolver(ns)
+        self.report.placement = StoragePolicySummary(self.resolver.suite)
         self.found: dict[tuple[int, int], Found] = {}
+        self.holders: dict[int, set[int]] = {}     # block id -> volumes with its files
         self.misplaced: dict[int, list[Path]] = {}
 
     def problem(self, kind: str, where: str, message: str, key: tuple,
-                action: tuple | None = None) -> None:
-        self.report.problems.append(Problem(kind, where, message, (kind, *key), action))
+                action: tuple | None = None, **extra) -> None:
+        self.report.problems.append(Problem(kind, where, message, (kind, *key), action,
+                                            **extra))
 
     def note(self, text: str) -> None:
         self.report.notes.append(text)
@@ -944,6 +1005,7 @@ class _Checker:
             found, misplaced = scan_volume(volume)
             for bid, entry in found.items():
                 self.found[(volume.id, bid)] = entry
+                self.holders.setdefault(bid, set()).add(volume.id)
             self.misplaced[volume.id] = misplaced
             self.progress.advance(1)
 
@@ -975,23 +1037,24 @@ class _Checker:
         stats.files += 1
         stats.total_size += inode.size
         blocks = self.snap.blocks_of.get(ino, []) if stat.S_ISREG(inode.mode) else []
-        target = self._replication(ino)
+        policy, target = self._placement(ino)
         before = len(self.report.problems)
-        lines = [self.check_block(ino, index, rec, target) for index, rec in blocks]
-        kinds = sorted({p.kind for p in self.report.problems[before:]})
+        lines = [self.check_block(ino, index, rec, policy, target) for index, rec in blocks]
+        kinds = sorted({p.kind for p in self.report.problems[before:] if p.health})
         status = " ".join(kinds) if kinds else "OK"
         self._list(ino, f"{self.snap.path_of(ino)} {inode.size} bytes, replication="
                         f"{target}, {len(blocks)} block(s):  {status}", lines)
 
-    def _replication(self, ino: int) -> int:
-        """The file's effective replication; the default where the chain is broken (a
-        parent loop is reported by the structure checks)."""
+    def _placement(self, ino: int) -> tuple[BlockStoragePolicy, int]:
+        """The file's effective policy and replication; the defaults where the chain is
+        broken (a parent loop is reported by the structure checks)."""
         try:
-            return self.resolver.replication(ino)
+            return self.resolver.placement(ino)
         except FsError:
-            return self.ns.config.replication
+            return self.resolver.suite.default, self.ns.config.replication
 
-    def check_block(self, ino: int, index: int, rec: BlockRecord, target: int) -> str:
+    def check_block(self, ino: int, index: int, rec: BlockRecord, policy: BlockStoragePolicy,
+                    target: int) -> str:
         """Judge every replica of one block; returns its listing line."""
         leased = ino in self.snap.leases
         path = self.snap.path_of(ino)
@@ -1000,23 +1063,63 @@ class _Checker:
         for state in states:
             self._report_replica(path, ino, index, rec, state, good, leased)
         self._check_extra_metas(path, rec, leased)
-        self._count_block(rec, states, good, target)
+        self._count_block(rec, states, good)
         if not good and not leased:
             why = "no replica recorded" if not rec.volumes else "no good replica"
             self.problem("LOST_BLOCK", path, f"blk_{rec.block_id}_{rec.gs} (block {index}) "
                          f"has {why}: reads of it give EIO", (rec.block_id,))
+        self._check_placement(path, ino, index, rec, states, policy, target, leased)
         return self._block_line(index, rec, states)
 
-    def _count_block(self, rec: BlockRecord, states: list[ReplicaState], good: list[int],
-                     target: int) -> None:
+    def _count_block(self, rec: BlockRecord, states: list[ReplicaState],
+                     good: list[int]) -> None:
         stats = self.report.stats
         stats.blocks += 1
         stats.recorded_replicas += len(rec.volumes)
         stats.missing_replicas += sum(s.status == "missing" for s in states)
         stats.good_replicas += len(good)
         stats.minimally_replicated += bool(good)
-        stats.under_replicated += len(good) < target
         stats.corrupt_blocks += not good
+
+    def _check_placement(self, path: str, ino: int, index: int, rec: BlockRecord,
+                         states: list[ReplicaState], policy: BlockStoragePolicy, target: int,
+                         leased: bool) -> None:
+        """Replication and placement of the good replicas (``satisfier/summary.py``'s rule):
+        counted for the summary and the ``--storagepolicies`` tables, and, for blocks not
+        under a lease (their writer is placing them), findings with their fixes."""
+        good = [s.volume_id for s in states if s.good and s.volume_id in self.volumes.by_id]
+        types = [self.volumes.by_id[v].storage_type for v in good]
+        verdict = self.report.placement.add(types, policy, target)
+        if leased:
+            return
+        stats = self.report.stats
+        block = f"blk_{rec.block_id}_{rec.gs} (block {index})"
+        found = (f"Target Replicas is {target} but found {verdict.persistent} live "
+                 f"persistent replica(s)")
+        transient = len(types) - verdict.persistent
+        if transient:
+            found += f" and {transient} on RAM_DISK"
+        key = (ino, index, rec.block_id, rec.gs)
+        if verdict.under_replicated:
+            stats.under_replicated += 1
+            # Volumes holding bad or unrecorded files of the block: targets of last resort.
+            avoid = tuple(sorted(({s.volume_id for s in states if not s.good}
+                                  | self.holders.get(rec.block_id, set())) - set(good)))
+            self.problem("UNDER_REPLICATED", path, f"Under replicated {block}. {found}.", key,
+                         ("replicate", ino, index, rec.block_id, rec.gs, tuple(good), avoid),
+                         health=False, work=rec.length * (target - verdict.persistent))
+        if verdict.over_replicated:
+            stats.over_replicated += 1
+            self.problem("OVER_REPLICATED", path, f"Over replicated {block}. {found}.", key,
+                         ("drop_excess", ino, index, rec.block_id, rec.gs, tuple(good)),
+                         health=False)
+        if verdict.misplaced:
+            stats.misplaced += 1
+            wanted = storage_type_summary(policy.choose_storage_types(target))
+            have = storage_type_summary(t for t in types if not t.transient)
+            self.problem("MISPLACED", path, f"Mis-placed {block}. Replicas on {have}, policy "
+                         f"{policy.name} wants {wanted}: moving it is the satisfier's work.",
+                         key, health=False)
 
     def _block_line(self, index: int, rec: BlockRecord, states: list[ReplicaState]) -> str:
         line = (f"{index}. blk_{rec.block_id}_{rec.gs} len={rec.length} "
@@ -1294,7 +1397,7 @@ _ORDER = ("make_root", "delete_trash", "drop_replica_leased", "recover_lease", "
           "remove_orphan_row", "relink", "purge", "clear_symlink", "fix_nlink", "fix_parent",
           "fix_symlink_size", "delete_rows", "drop_block", "fix_size", "index_set",
           "index_delete", "drop_replica", "truncate_replica", "unlink_meta", "delete_paths",
-          "clear_tmp", "raise_counter", "set_clean")
+          "clear_tmp", "drop_excess", "replicate", "raise_counter", "set_clean")
 
 
 def _priority(problem: Problem) -> int:
@@ -1307,21 +1410,28 @@ def _priority(problem: Problem) -> int:
 class _Repairer:
     """Applies the actions of one check's problems; each fix re-checks its condition."""
 
-    def __init__(self, ns: Namespace, volumes: VolumeSet):
+    def __init__(self, ns: Namespace, volumes: VolumeSet, progress: Progress | None = None):
         self.ns = ns
         self.volumes = volumes
+        self.progress = progress or _Silent()
 
     def apply(self, problems: list[Problem]) -> None:
-        for problem in sorted(problems, key=_priority):
-            name, *args = problem.action
-            try:
-                problem.outcome = "repaired: " + getattr(self, f"fix_{name}")(*args)
-                problem.repaired = True
-            except _Unchanged as exc:
-                problem.outcome = f"repaired by an earlier fix: {exc}"
-                problem.repaired = True
-            except FsError as exc:
-                problem.outcome = f"not repaired: {exc}"
+        work = sum(p.work for p in problems)
+        if work:
+            self.progress.phase("re-replicating", work)
+        try:
+            for problem in sorted(problems, key=_priority):
+                name, *args = problem.action
+                try:
+                    problem.outcome = "repaired: " + getattr(self, f"fix_{name}")(*args)
+                    problem.repaired = True
+                except _Unchanged as exc:
+                    problem.outcome = f"repaired by an earlier fix: {exc}"
+                    problem.repaired = True
+                except FsError as exc:
+                    problem.outcome = f"not repaired: {exc}"
+        finally:
+            self.progress.close()
         delete_trash(self.ns, self.volumes)
 
     def _txn(self, action: tuple, body: Callable[[_Rows], str]) -> str:
@@ -1714,6 +1824,114 @@ class _Repairer:
             _unlink(path)
         return "deleted"
 
+    # --- replication -----------------------------------------------------------------------
+
+    def fix_replicate(self, ino: int, index: int, bid: int, gs: int, good: tuple[int, ...],
+                      avoid: tuple[int, ...]) -> str:
+        """Copy a good replica to the volumes ``choose_volumes`` picks, as the daemon's
+        replication monitor does; ``avoid`` (volumes that held bad or unrecorded files of
+        the block) only when nothing else qualifies. Each copy is recorded with
+        ``add_replica``, which refuses it if the block changed meanwhile."""
+        rec = self.ns.get_blocks(ino).get(index)
+        if rec is None or rec.block_id != bid or rec.gs != gs:
+            raise _Unchanged("the block changed")
+        policy, replication = Resolver(self.ns).placement(ino)
+        good = [v for v in good if v in rec.volumes and v in self.volumes.by_id]
+        if not good:
+            raise FsError(errno.EIO, "no good replica is left to copy")
+        existing = [self.volumes.get(v) for v in good]
+        have = sum(not v.storage_type.transient for v in existing)
+        if have >= replication:
+            raise _Unchanged(f"{have} persistent replicas")
+        targets = self._targets(policy, replication, rec, existing, set(avoid))
+        added: list[Volume] = []
+        try:
+            for target in targets:
+                self._copy(ino, index, rec, existing, target)
+                added.append(target)
+                self.progress.advance(rec.length)
+        except FsError as exc:
+            done = f"{_added(added)}; then " if added else ""
+            raise FsError(exc.errno, f"{done}{copy_error(exc)}") from None
+        if have + len(added) < replication:
+            done = f"{_added(added)}; " if added else ""
+            raise FsError(errno.ENOSPC, f"{done}only {have + len(added)} of {replication} "
+                                        f"replicas placeable: no other volume allowed by "
+                                        f"{policy.name} has room")
+        return _added(added)
+
+    def _targets(self, policy: BlockStoragePolicy, replication: int, rec: BlockRecord,
+                 existing: list[Volume], avoid: set[int]) -> list[Volume]:
+        """``choose_volumes`` on the volumes the block is not on; those in ``avoid`` join
+        only if the others cannot take every replica still needed."""
+        have = sum(not v.storage_type.transient for v in existing)
+        kept = {v.id for v in existing}
+        free = [v for v in self.volumes if v.id not in rec.volumes or v.id in kept]
+        preferred = choose_volumes(policy, replication,
+                                   VolumeSet(v for v in free if v.id not in avoid),
+                                   rec.length, existing)
+        if have + len(preferred) >= replication or not avoid & {v.id for v in free}:
+            return preferred
+        anywhere = choose_volumes(policy, replication, VolumeSet(free), rec.length, existing)
+        return anywhere if len(anywhere) > len(preferred) else preferred
+
+    def _copy(self, ino: int, index: int, rec: BlockRecord, sources: list[Volume],
+              target: Volume) -> None:
+        """One verified copy from the first source that reads, then its record."""
+        error: FsError | None = None
+        for source in self.volumes.sorted_for_read(v.id for v in sources):
+            try:
+                copy_replica(source, target, rec.block_id, rec.gs)
+                break
+            except FsError as exc:
+                error = exc
+        else:
+            raise error or FsError(errno.EIO, "no replica to copy")
+        if not self.ns.add_replica(ino, index, rec.block_id, rec.gs, target.id):
+            target.delete_replica(rec.block_id, rec.gs)
+            raise FsError(errno.EAGAIN, "the block changed during the copy")
+
+    def fix_drop_excess(self, ino: int, index: int, bid: int, gs: int,
+                        good: tuple[int, ...]) -> str:
+        """Drop the surplus replicas of an over-replicated block, never going below its
+        replication: of the types ``policy.choose_excess`` names, the replica on the
+        fullest volume first. Files go through the trash (deleted after the commit)."""
+        policy, replication = Resolver(self.ns).placement(ino)
+
+        def body(rows: _Rows) -> str:
+            rec = rows.block(ino, index)
+            if rec is None or rec.block_id != bid or rec.gs != gs:
+                raise _Unchanged("the block changed")
+            persistent = [self.volumes.by_id[v] for v in good if v in rec.volumes
+                          and v in self.volumes.by_id
+                          and not self.volumes.by_id[v].storage_type.transient]
+            surplus = len(persistent) - replication
+            if surplus <= 0:
+                raise _Unchanged(f"{len(persistent)} persistent replicas")
+            victims: list[Volume] = []
+            for storage_type in policy.choose_excess(
+                    replication, [v.storage_type for v in persistent])[:surplus]:
+                candidates = [v for v in persistent
+                              if v.storage_type == storage_type and v not in victims]
+                victims.append(min(candidates, key=lambda v: (v.free_bytes(), -v.id)))
+            dropped = tuple(v.id for v in victims)
+            rec.volumes = tuple(v for v in rec.volumes if v not in dropped)
+            rows.put_block(ino, index, rec)
+            for vid in dropped:
+                rows.txn.delete(schema.replica_key(vid, bid), db=rows.db["replicas"])
+            raw = rows.txn.get(u64(bid), db=rows.db["trash"])
+            earlier = schema.parse_trash_value(raw)[1] if raw is not None else ()
+            rows.txn.put(u64(bid), schema.trash_value(gs, tuple(sorted({*earlier, *dropped}))),
+                         db=rows.db["trash"])
+            where = ", ".join(f"{v.path} ({v.storage_type.name})" for v in victims)
+            return f"{len(victims)} excess replica(s) dropped from {where}"
+        return self._txn(("drop_excess", ino, index, bid, gs, good), body)
+
+
+def _added(volumes: list[Volume]) -> str:
+    where = ", ".join(f"{v.path} ({v.storage_type.name})" for v in volumes)
+    return f"{len(volumes)} replica(s) added on {where}"
+
 
 def _newest_ctime(paths: list[str]) -> float:
     """Newest ctime among files (a vanished one counts as new: it was just deleted)."""
@@ -1742,15 +1960,18 @@ class Fsck:
     """fsck of one filesystem: ``check()`` (read-only, safe beside a mount) and ``repair()``.
 
     ``path`` limits the file checks to a subtree; ``listing`` is 0 (none), LIST_FILES,
-    LIST_BLOCKS or LIST_LOCATIONS. Raises UsageError (exit code 2) when the filesystem cannot
+    LIST_BLOCKS or LIST_LOCATIONS; ``storage_policies`` adds the tables of ``hdfs fsck
+    -storagepolicies`` to the rendered report (the counts are always in
+    ``FsckReport.placement``). Raises UsageError (exit code 2) when the filesystem cannot
     be checked at all.
     """
 
     def __init__(self, data_dir, path: str = "/", *, listing: int = 0,
-                 progress: Progress | None = None):
+                 storage_policies: bool = False, progress: Progress | None = None):
         self.data_dir = Path(os.path.abspath(data_dir))
         self.path = _normalise(path)
         self.listing = listing
+        self.storage_policies = storage_policies
         self.progress = progress or _Silent()
         self._verified: dict[tuple, Verdict] = {}
         if not self.data_dir.is_dir():
@@ -1807,7 +2028,7 @@ class Fsck:
                 break
             # Without a root every name looks wrong: recreate it alone, then look again.
             todo = [p for p in todo if p.kind == "ROOT_MISSING"] or todo
-            _Repairer(ns, volumes).apply(todo)
+            _Repairer(ns, volumes, self.progress).apply(todo)
             log.update({(p.key, p.message): p for p in todo})
             report = self._check(ns, volumes, mounted=False)
         for problem in report.problems:
@@ -1889,7 +2110,8 @@ def run_fsck(args) -> int:
                else LIST_FILES if args.files else 0)
     progress = Progress()
     try:
-        fsck = Fsck(args.data, args.path, listing=listing, progress=progress)
+        fsck = Fsck(args.data, args.path, listing=listing,
+                    storage_policies=args.storagepolicies, progress=progress)
         if args.repair:
             result = fsck.repair()
             text, code = result.render(), result.exit_code

@@ -13,11 +13,13 @@ What it prints (``--json``: the same as one JSON object, sizes in bytes):
   them per DataNode; volumes that share a disk count its free space once in the totals),
   and the number of replicas (from the ``replicas`` database);
 - per effective storage policy (each file's, resolved like ``user.tierfs.storage_policy``):
-  files, the sum of their sizes, their blocks and how many of those are misplaced;
-- the blocks placed as their policy wants them (the multiset of replica storage types equals
-  ``policy.choose_storage_types(replication)``) and those that are not, in the two tables of
-  ``hdfs fsck -storagepolicies``: each combination as ``DISK:1,ARCHIVE:2(WARM)`` (the policy
-  the combination amounts to in parentheses, when one does), with counts and percentages;
+  files, the sum of their sizes, their blocks and how many of those are mis-placed (on a
+  type the policy does not want while a wanted one is missing: a move fixes them);
+- the blocks satisfying their policy and those that do not, in the two tables of
+  ``hdfs fsck -storagepolicies``: each combination of the recorded replicas' storage types as
+  ``DISK:1,ARCHIVE:2(WARM)`` (the policy the combination amounts to in parentheses, when one
+  does), with counts and percentages. The rule (mis-placed, satisfying) and the tables are
+  ``tierfs.satisfier.summary``'s, shared with ``tierfs fsck --storagepolicies``;
 - the number of subtrees still waiting for the satisfier.
 
 Files removed while the report runs are skipped; files created meanwhile may or may not be
@@ -54,7 +56,7 @@ from tierfs.fs.mountlock import MountLock
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.resolver import Resolver
 from tierfs.fs.schema import BlockRecord, Inode, u64
-from tierfs.satisfier.policies import actual_policy, storage_type_summary
+from tierfs.satisfier.summary import Combination, StoragePolicySummary, tables
 from tierfs.tools.mkfs import NAMESPACE_DIR, is_filesystem
 from tierfs.tools.policy import FSTYPE, mount_at, mount_of_device
 
@@ -99,19 +101,6 @@ class PolicyRow:
     bytes: int = 0
     blocks: int = 0
     misplaced_blocks: int = 0
-
-
-@dataclass
-class Combination:
-    """One row of the fsck-style tables: a replica type combination (and, for blocks not
-    placed as wanted, the specified policy)."""
-
-    storage_types: str              # "DISK:1,ARCHIVE:2(WARM)"
-    combination: str                # "DISK:1,ARCHIVE:2"
-    actual_policy: str | None       # "WARM", or None when the combination matches none
-    specified_policy: str | None    # only for blocks not satisfying their policy
-    blocks: int
-    percent: float
 
 
 @dataclass
@@ -338,7 +327,7 @@ class Collector:
 
     def _files(self, ns: Namespace, report: Report, types: dict[int, StorageType]) -> None:
         resolver = Resolver(ns)
-        combos: Counter = Counter()
+        summary = StoragePolicySummary(resolver.suite)
         policies: dict[str, PolicyRow] = {}
         with self._txn(ns) as txn:
             total = txn.stat(ns.db["inodes"])["entries"]
@@ -359,17 +348,18 @@ class Collector:
                 row = policies.setdefault(policy.name, PolicyRow())
                 row.files += 1
                 row.bytes += inode.size
-                wanted = Counter(policy.choose_storage_types(replication))
                 for rec in blocks:
                     have = [types[v] for v in rec.volumes if v in types]
-                    ok = Counter(have) == wanted
+                    placement = summary.add(have, policy, replication)
                     row.blocks += 1
-                    row.misplaced_blocks += not ok
-                    combos[(tuple(sorted(have)), None if ok else policy.name)] += 1
+                    row.misplaced_blocks += placement.misplaced
             self.progress.advance(len(batch))
         report.policies = {p.name: policies[p.name] for p in resolver.suite.all_policies()
                            if p.name in policies}
-        self._combinations(report, resolver, combos)
+        report.blocks = summary.total
+        report.satisfying, report.not_satisfying = summary.rows()
+        report.blocks_satisfying = sum(r.blocks for r in report.satisfying)
+        report.blocks_not_satisfying = sum(r.blocks for r in report.not_satisfying)
 
     def _placement(self, ns: Namespace, resolver: Resolver, ino: int):
         try:
@@ -377,37 +367,6 @@ class Collector:
         except lmdb.MapResizedError:
             ns.env.set_mapsize(0)   # the daemon grew the map: adopt its size
             return resolver.placement(ino)
-
-    def _combinations(self, report: Report, resolver: Resolver, combos: Counter) -> None:
-        total = sum(combos.values())
-        report.blocks = total
-        for (have, specified), count in sorted(combos.items(),
-                                               key=lambda kv: (-kv[1], kv[0][0], kv[0][1] or "")):
-            # Most frequent first; ties in storage type order (fastest first).
-            actual = actual_policy(have, resolver.suite)
-            summary = storage_type_summary(have) or "(no replicas)"
-            row = Combination(
-                storage_types=summary + (f"({actual.name})" if actual else ""),
-                combination=summary, actual_policy=actual.name if actual else None,
-                specified_policy=specified, blocks=count,
-                percent=round(100.0 * count / total, 4) if total else 0.0)
-            if specified is None:
-                report.satisfying.append(row)
-                report.blocks_satisfying += count
-            else:
-                report.not_satisfying.append(row)
-                report.blocks_not_satisfying += count
-        # Several specified policies can be satisfied by the same combination (DISK:1 is
-        # HOT's and LAZY_PERSIST's): the table shows it once.
-        merged: dict[str, Combination] = {}
-        for row in report.satisfying:
-            if row.storage_types in merged:
-                merged[row.storage_types].blocks += row.blocks
-            else:
-                merged[row.storage_types] = row
-        for row in merged.values():
-            row.percent = round(100.0 * row.blocks / total, 4)
-        report.satisfying = sorted(merged.values(), key=lambda r: -r.blocks)  # stable
 
     def _inode_batches(self, ns: Namespace) -> Iterator[list[tuple[Inode, list[BlockRecord]]]]:
         """Inodes in key order with their block records, ``BATCH`` per read transaction.
@@ -523,33 +482,13 @@ def render(report: Report) -> str:
     out.append(f"Blocks: {report.blocks}, placed as their policy wants: "
                f"{report.blocks_satisfying}, not: {report.blocks_not_satisfying}")
     out.append("")
-    out.extend(_fsck_tables(report))
+    out.extend(tables(report.satisfying, report.not_satisfying))
     out.append("")
     if report.pending_satisfier:
         out.append(f"Subtrees waiting for the satisfier: {report.pending_satisfier}")
     else:
         out.append("No subtree is waiting for the satisfier.")
     return "\n".join(out)
-
-
-def _fsck_tables(report: Report) -> list[str]:
-    """``hdfs fsck -storagepolicies``'s two tables, with its format strings."""
-    out = ["Blocks satisfying the specified storage policy:",
-           "Storage Policy                  # of blocks       % of blocks"]
-    for row in report.satisfying:
-        out.append("%-25s %10d  %20s" % (row.storage_types, row.blocks, f"{row.percent:.4f}%"))
-    if not report.not_satisfying:
-        out.append("")
-        out.append("All blocks satisfy specified storage policy.")
-        return out
-    out.append("")
-    out.append("Blocks NOT satisfying the specified storage policy:")
-    out.append("Storage Policy                  Specified Storage Policy      # of blocks"
-               "       % of blocks")
-    for row in report.not_satisfying:
-        out.append("%-35s %-20s %10d  %20s" % (row.storage_types, row.specified_policy,
-                                               row.blocks, f"{row.percent:.4f}%"))
-    return out
 
 
 # =========================================================================== the CLI
