@@ -280,25 +280,32 @@ class BlockIO:
         total = len(view)
         pos = 0
         bs = self.block_size
-        while pos < total:
-            index, boff = divmod(offset + pos, bs)
-            count = min(bs - boff, total - pos)
-            piece = view[pos:pos + count]
-            if index in of.blocks:
-                self._write_existing(of, index, boff, piece)
-            else:
-                self._write_new_block(of, index, boff, piece)
-            of.dirty.add(index)
-            of.unsynced.add(index)
-            pos += count
+        try:
+            while pos < total:
+                index, boff = divmod(offset + pos, bs)
+                count = min(bs - boff, total - pos)
+                piece = view[pos:pos + count]
+                if index in of.blocks:
+                    self._write_existing(of, index, boff, piece)
+                else:
+                    self._write_new_block(of, index, boff, piece)
+                of.dirty.add(index)
+                of.unsynced.add(index)
+                pos += count
+        except FsError:
+            if pos == 0:
+                raise
+            # A later block failed (no room): report the bytes that are written, as a
+            # short write (POSIX), so the size covers every block already recorded.
+            log.warning("short write to inode %d: %d of %d bytes", of.ino, pos, total)
         now = time.time_ns()
-        if offset + total > of.size:
-            of.size = offset + total
+        if offset + pos > of.size:
+            of.size = offset + pos
         of.mtime_ns = of.ctime_ns = now
         of.attrs_dirty = True
-        if (offset + total) % bs == 0:
+        if (offset + pos) % bs == 0:
             self.persist(of)  # a block filled: its length reaches the namespace
-        return total
+        return pos
 
     def _write_existing(self, of: OpenFile, index: int, boff: int, piece) -> None:
         rec = of.blocks[index]

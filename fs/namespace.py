@@ -1010,7 +1010,7 @@ class Namespace:
                 txn.delete(u64(ino), db=self.db["leases"])
 
         self._mutate(Op.UPDATE_BLOCKS,
-                     (ino, size, {i: (r.gs, r.length) for i, r in blocks.items()}), body)
+                     (ino, size, [(i, r.gs, r.length) for i, r in blocks.items()]), body)
 
     def truncate_blocks(self, ino: int, keep_blocks: int, size: int, now_ns: int) -> list:
         """Drop every block with index >= keep_blocks and set the size; returns the trash."""

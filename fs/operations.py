@@ -442,7 +442,7 @@ class Operations(pyfuse3.Operations):
         if len(name) > 255:
             raise FsError(errno.ERANGE, "attribute name too long")
         if not name.startswith(XATTR_NAMESPACES):
-            raise FsError(errno.ENODATA, "no such attribute")
+            raise FsError(errno.EOPNOTSUPP, "unsupported attribute namespace")
         if is_policy_xattr(name):
             return self.policy_xattrs.get(inode, name)
         return self.ns.get_xattr(inode, name)
@@ -460,6 +460,10 @@ class Operations(pyfuse3.Operations):
             old = 0
         if self.ns.xattr_bytes(inode) - old + len(name) + len(value) > XATTR_INODE_MAX:
             raise FsError(errno.ENOSPC, "no room for more extended attributes on this inode")
+        if not old and (sum(len(n) + 1 for n in self.ns.list_xattrs(inode)) + len(name) + 1
+                        > XATTR_LIST_MAX):
+            # Past this the inode could never be listed again (getfattr -d, cp -a).
+            raise FsError(errno.ENOSPC, "no room for another attribute name on this inode")
         self.ns.set_xattr(inode, name, value, time.time_ns())
 
     @handler

@@ -311,7 +311,7 @@ def journal_record(op: int, args: tuple) -> bytes:
 
 
 def parse_journal_record(raw: bytes) -> list:
-    return msgpack.unpackb(raw, raw=False)
+    return msgpack.unpackb(raw, raw=False, strict_map_key=False)
 
 
 def pack_meta(value) -> bytes:
