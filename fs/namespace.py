@@ -936,6 +936,11 @@ class Namespace:
             for vol in dropped:
                 w.txn.delete(schema.replica_key(vol, rec.block_id), db=self.db["replicas"])
             if dropped:
+                # Merge with a pending row: an earlier drop whose files are not deleted yet
+                # (its volume failed) must not be forgotten.
+                pending = w.txn.get(u64(rec.block_id), db=self.db["trash"])
+                if pending is not None:
+                    dropped = tuple(sorted(set(dropped) | set(schema.parse_trash_value(pending)[1])))
                 w.txn.put(u64(rec.block_id), schema.trash_value(rec.gs, dropped),
                           db=self.db["trash"])
                 w.trash.append((rec.block_id, rec.gs, dropped))

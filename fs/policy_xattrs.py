@@ -32,6 +32,7 @@ from tierfs.fs.inherited import DEFAULT
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.resolver import ATTR_POLICY, ATTR_REPLICATION, Resolver
 from tierfs.satisfier.policies import storage_type_summary
+from tierfs.satisfier.summary import classify
 
 PREFIX = b"user.tierfs."
 POLICY = b"user.tierfs.storage_policy"
@@ -111,21 +112,28 @@ class PolicyXattrs:
                         f"{self.ns.path_of(root)} waits for the satisfier")
             return "yes"
         policy, replication = self.resolver.placement(ino)
-        wanted = Counter(policy.choose_storage_types(replication))
         blocks = self._replica_types(ino)
-        # Transient replicas (RAM_DISK) count for neither side, as in HDFS's Mover.
-        persistent = [tuple(t for t in types if not t.transient) for types in blocks]
-        lazy = sum(1 for types, kept in zip(blocks, persistent) if types and not kept)
-        if lazy:
-            return (f"no: {lazy} of {len(blocks)} blocks only on RAM_DISK, awaiting the lazy "
-                    f"writer")
-        misplaced = [types for types in persistent if Counter(types) != wanted]
-        if not misplaced:
+        verdicts = [classify(policy, replication, types) for types in blocks]
+        lazy = sum(1 for types, v in zip(blocks, verdicts) if types and not v.persistent)
+        wrong = [types for types, v in zip(blocks, verdicts) if v.persistent and not v.satisfied]
+        under = sum(1 for v in verdicts if v.persistent and v.under_replicated)
+        over = sum(1 for v in verdicts if v.over_replicated)
+        if not (lazy or wrong or under or over):
             return "yes"
-        want = storage_type_summary(policy.choose_storage_types(replication))
-        have = storage_type_summary(misplaced[0]) or "no replicas"
-        return (f"no: {len(misplaced)} of {len(blocks)} blocks not placed as "
-                f"{policy.name} wants ({want}; e.g. {have})")
+        n = len(blocks)
+        reasons = []
+        if wrong:
+            want = storage_type_summary(policy.choose_storage_types(replication))
+            reasons.append(f"{len(wrong)} of {n} blocks not placed as {policy.name} wants "
+                           f"({want}; e.g. {storage_type_summary(wrong[0])})")
+        if lazy:
+            reasons.append(f"{lazy} of {n} blocks only on RAM_DISK, awaiting the lazy writer")
+        if under:
+            reasons.append(f"{under} of {n} blocks have fewer than {replication} replicas, "
+                           f"awaiting re-replication")
+        if over:
+            reasons.append(f"{over} of {n} blocks have more than {replication} replicas")
+        return "no: " + "; ".join(reasons)
 
     # --- write -----------------------------------------------------------------------------
 
