@@ -15,7 +15,10 @@ What must hold (DESIGN.md section 4, seed 002):
   goes on, the block continues on the other replicas under a new generation stamp (the meta
   file names show it) and the failed replica is stale from then on;
 - a volume that disappears does not stop reads;
-- a stale replica (an older stamp than the namespace's) is never served.
+- a stale replica (an older stamp than the namespace's) is never served;
+- a write that cuts into a corrupt chunk drops that replica instead of blessing it;
+- after kill -9 mid-write, lease recovery keeps everything fsynced and leaves the replicas
+  identical under a new stamp, also when one replica's last write is torn.
 
 Reads go through O_DIRECT, which bypasses the page cache, so they reach the daemon.
 """
@@ -514,4 +517,87 @@ def test_stale_replica_removed_by_fsck_repair(make_fs, tmp_path):
     assert direct_read(path) == new
     wait_for_full_replication(mount, "/f", new, 2, 1)
     assert not any(" ERROR" in line for line in mount.log_text().splitlines()), mount.log_text()
+    finish(mount)
+
+
+# --- a write that meets a corrupt replica -------------------------------------------------------
+
+
+def test_write_into_a_corrupt_chunk_drops_that_replica(make_fs, tmp_path):
+    """A write that cuts into the middle of a chunk checks the chunk's old bytes first, so a
+    corrupt replica is never blessed with a fresh checksum: that replica leaves the write
+    pipeline (new stamp on the others) and is replaced once the file is closed."""
+    mount = make_fs(2)
+    path = mount.mountpoint / "f"
+    content = bytearray(pattern(7, 2 * BLOCK + 500))
+    write_file(path, bytes(content))
+    before = wait_for_full_replication(mount, "/f", bytes(content), 2, 3)
+    b0 = before[0]
+    bad_vol, good_vol = sorted(b0["volumes"])
+    flip_byte(data_file(bad_vol, b0["id"]), CHUNK + 10)         # chunk 1 of block 0
+    # O_DIRECT: the write reaches the daemon as it is, not as a page the kernel rewrote.
+    fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+    try:
+        piece = pattern(8, 100)
+        assert os.pwrite(fd, piece, CHUNK + 100) == 100      # cuts into chunk 1
+        content[CHUNK + 100:CHUNK + 200] = piece
+        (b0_now, *_) = blocks_of(mount.data, "/f")
+        assert b0_now["id"] == b0["id"] and b0_now["gs"] > b0["gs"]
+        assert b0_now["volumes"] == [good_vol]
+        assert meta_gss(good_vol, b0["id"]) == [b0_now["gs"]]
+        assert data_file(good_vol, b0["id"]).read_bytes() == content[:BLOCK]
+    finally:
+        os.close(fd)
+    assert direct_read(path) == content
+    after = wait_for_full_replication(mount, "/f", bytes(content), 2, 3)
+    assert after[0]["gs"] == b0_now["gs"] and after[1:] == before[1:]
+    errors = error_lines(mount)
+    assert errors and all(f"block {b0['id']}" in line and str(bad_vol) in line
+                          for line in errors), errors
+    assert any("checksum error" in line for line in errors), errors
+    finish(mount)
+
+
+# --- kill -9 in the middle of a replicated write --------------------------------------------------
+
+
+def test_kill_during_a_replicated_write_recovers_the_lease(make_fs, tmp_path):
+    """kill -9 while a file is open for writing on two replicas, and one replica's last data
+    write got to its data file but not to its checksums (the crash table of
+    ``backends/replica.py``). The next mount recovers the lease: nothing fsynced is lost,
+    the unsynced tail is kept only where it is whole, both replicas end with the same bytes
+    and a new generation stamp, and fsck is clean."""
+    mount = make_fs(2)
+    path = mount.mountpoint / "f"
+    written = pattern(9, 130_000)
+    synced = 100_000                                  # mid-chunk, in block 1
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        assert os.write(fd, written[:synced]) == synced
+        os.fsync(fd)
+        before = blocks_of(mount.data, "/f")
+        assert os.write(fd, written[synced:]) == len(written) - synced
+        mount.kill()
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    last = max(before, key=lambda b: b["index"])
+    assert last["index"] == 1
+    torn = min(last["volumes"], key=lambda v: v.name)
+    with open(data_file(torn, last["id"]), "ab") as f:
+        f.write(b"\xee" * 777)                        # data without its checksums
+    mount.start()
+    assert any("recovered lease" in line for line in mount.log_text().splitlines())
+    size = os.stat(path).st_size
+    assert synced <= size <= len(written)
+    got = direct_read(path)
+    assert got[:synced] == written[:synced]
+    assert all(a == b or a == 0 for a, b in zip(got[synced:], written[synced:size])), \
+        "bytes after the fsynced length are neither what was written nor zero"
+    blocks = wait_for_full_replication(mount, "/f", got, 2, 2)
+    assert blocks[0]["gs"] == before[0]["gs"] and blocks[1]["gs"] > last["gs"]
+    assert blocks[1]["len"] == size - BLOCK
+    assert not error_lines(mount), mount.log_text()
     finish(mount)
