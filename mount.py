@@ -35,7 +35,7 @@ from tierfs.fs.placement import Placer
 from tierfs.fs.recovery import delete_trash, recover
 from tierfs.fs.replication import ReplicationMonitor
 from tierfs.fs.resolver import Resolver
-from tierfs.tools import mkfs
+from tierfs.tools import mkfs, mountinfo
 
 log = logging.getLogger("tierfs.mount")
 
@@ -85,9 +85,7 @@ def tune_readahead(mountpoint: str, kb: int = READ_AHEAD_KB) -> None:
     """
     target = os.path.abspath(mountpoint)  # no realpath: it would stat our own mount
     try:
-        with open("/proc/self/mountinfo") as f:
-            dev = next(line.split()[2] for line in f
-                       if line.split()[4].replace("\\040", " ") == target)
+        dev = next(m.device for m in mountinfo.mounts() if m.mount_point == target)
         with open(f"/sys/class/bdi/{dev}/read_ahead_kb", "w") as f:
             f.write(str(kb))
     except (OSError, StopIteration) as exc:

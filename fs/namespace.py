@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import stat
 import time
 import uuid as uuidlib

@@ -2,7 +2,7 @@
 could not be read back, a partial ENOSPC write leaving blocks past EOF, and an xattr name
 list that could grow past what listxattr can return."""
 import argparse, errno, os, stat
-import pyfuse3, pytest, trio
+import pyfuse3, trio
 from tierfs import mount
 from tierfs.backends.storage_types import StorageType
 from tierfs.fs import schema

@@ -138,9 +138,8 @@ from tierfs.fs.schema import BlockRecord, Inode, Op, ROOT_INO, u64
 from tierfs.satisfier.policies import BlockStoragePolicy, storage_type_summary
 from tierfs.satisfier.summary import StoragePolicySummary
 from tierfs.tools.mkfs import NAMESPACE_DIR, is_filesystem
-
-STATUS_INTERVAL = 5.0
-"""Seconds between status lines when stderr is not a terminal."""
+from tierfs.tools import progress as _progress
+from tierfs.tools.progress import Silent
 
 VERIFY_SPAN = 4 << 20
 """Bytes verified per read: big enough to be fast, small enough for RAM."""
@@ -160,68 +159,13 @@ LOST_FOUND = b"lost+found"
 LIST_FILES, LIST_BLOCKS, LIST_LOCATIONS = 1, 2, 3
 
 
+
+class Progress(_progress.Progress):
+    """Status lines of this tool start with its name."""
+
+    label = "tierfs fsck"
+
 # =========================================================================== progress
-
-
-class Progress:
-    """Progress of the long phases on stderr.
-
-    On a terminal a tqdm bar; otherwise (logs, CI, pipes) a status line every
-    ``interval`` seconds, so that a long fsck visibly lives without flooding a log.
-    """
-
-    def __init__(self, stream=None, *, tty: bool | None = None,
-                 interval: float = STATUS_INTERVAL):
-        self.stream = stream if stream is not None else sys.stderr
-        self.tty = self.stream.isatty() if tty is None else tty
-        self.interval = interval
-        self._bar = None
-        self._name = ""
-        self._total = 0
-        self._done = 0
-        self._last = time.monotonic()
-
-    def phase(self, name: str, total: int, unit: str = "B") -> None:
-        """Start a phase of ``total`` units (bytes are shown scaled)."""
-        self.close()
-        self._name, self._total, self._done = name, total, 0
-        self._last = time.monotonic()
-        if self.tty:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total, desc=name, unit=unit, file=self.stream,
-                             unit_scale=unit == "B", unit_divisor=1024 if unit == "B" else 1000,
-                             leave=False, dynamic_ncols=True)
-
-    def advance(self, n: int) -> None:
-        self._done += n
-        if self._bar is not None:
-            self._bar.update(n)
-            return
-        now = time.monotonic()
-        if now - self._last >= self.interval:
-            self._last = now
-            share = f" ({100 * self._done // self._total}%)" if self._total else ""
-            print(f"tierfs fsck: {self._name}: {self._done} of {self._total}{share}",
-                  file=self.stream, flush=True)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
-
-
-class _Silent(Progress):
-    """The library default: no output."""
-
-    def __init__(self):
-        super().__init__(stream=sys.stderr, tty=False, interval=float("inf"))
-
-    def phase(self, name: str, total: int, unit: str = "B") -> None:
-        pass
-
-    def advance(self, n: int) -> None:
-        pass
 
 
 # =========================================================================== report
@@ -1413,7 +1357,7 @@ class _Repairer:
     def __init__(self, ns: Namespace, volumes: VolumeSet, progress: Progress | None = None):
         self.ns = ns
         self.volumes = volumes
-        self.progress = progress or _Silent()
+        self.progress = progress or Silent()
 
     def apply(self, problems: list[Problem]) -> None:
         work = sum(p.work for p in problems)
@@ -1972,7 +1916,7 @@ class Fsck:
         self.path = _normalise(path)
         self.listing = listing
         self.storage_policies = storage_policies
-        self.progress = progress or _Silent()
+        self.progress = progress or Silent()
         self._verified: dict[tuple, Verdict] = {}
         if not self.data_dir.is_dir():
             raise UsageError(f"{self.data_dir} does not exist or is not a directory")

@@ -28,18 +28,16 @@ from __future__ import annotations
 import argparse
 import errno
 import os
-import re
 import stat
 import sys
-from dataclasses import dataclass
 
 from tierfs.fs.errors import UsageError
+from tierfs.tools.mountinfo import FSTYPE, mount_of_device
 from tierfs.satisfier.policies import BlockStoragePolicy, PolicySuite
 
 USAGE = 1
 FAILED = 2
 
-FSTYPE = "fuse.tierfs"
 XATTR_POLICY = "user.tierfs.storage_policy"
 XATTR_SOURCE = "user.tierfs.policy_source"
 
@@ -110,7 +108,7 @@ def list_policies() -> list[str]:
 
 
 def get_policy(path: str) -> list[str]:
-    st = _check_path(path)
+    _check_path(path)
     name = _read(path, XATTR_POLICY)
     source = _read(path, XATTR_SOURCE)
     if policy_source(source) == "default":
@@ -206,56 +204,3 @@ def _refused(action: str, path: str, policy: BlockStoragePolicy | None,
     return f"{what}: {exc.strerror}"
 
 
-# --- /proc/self/mountinfo --------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class MountEntry:
-    """One line of /proc/self/mountinfo, the parts the tools need."""
-
-    device: str       # "major:minor", as st_dev of every file on it
-    mount_point: str
-    fstype: str
-    source: str       # for tierfs: the data directory (fsname)
-
-
-_ESCAPE = re.compile(r"\\([0-7]{3})")
-
-
-def _unescape(field: str) -> str:
-    """mountinfo writes space, tab, newline and backslash as octal escapes."""
-    return _ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), field)
-
-
-def mounts() -> list[MountEntry]:
-    entries = []
-    try:
-        with open("/proc/self/mountinfo") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return entries
-    for line in lines:
-        left, sep, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if not sep or len(fields) < 5 or len(tail) < 2:
-            continue
-        entries.append(MountEntry(fields[2], _unescape(fields[4]), _unescape(tail[0]),
-                                  _unescape(tail[1])))
-    return entries
-
-
-def mount_of_device(dev: int) -> MountEntry | None:
-    """The mount whose filesystem has this st_dev (the last one listed: the visible one)."""
-    device = f"{os.major(dev)}:{os.minor(dev)}"
-    found = [m for m in mounts() if m.device == device]
-    return found[-1] if found else None
-
-
-def mount_at(path: str) -> MountEntry | None:
-    """The mount whose mount point is exactly ``path`` (no stat of the mount itself)."""
-    target = os.path.abspath(path)
-    found = [m for m in mounts() if m.mount_point == target]
-    if not found:
-        real = os.path.realpath(path)
-        found = [m for m in mounts() if m.mount_point == real]
-    return found[-1] if found else None

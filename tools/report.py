@@ -38,7 +38,6 @@ import json
 import os
 import stat
 import sys
-import time
 from collections import Counter, defaultdict
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -58,16 +57,23 @@ from tierfs.fs.resolver import Resolver
 from tierfs.fs.schema import BlockRecord, Inode, u64
 from tierfs.satisfier.summary import Combination, StoragePolicySummary, tables
 from tierfs.tools.mkfs import NAMESPACE_DIR, is_filesystem
-from tierfs.tools.policy import FSTYPE, mount_at, mount_of_device
+from tierfs.tools.mountinfo import FSTYPE, mount_at, mount_of_device
+from tierfs.tools import progress as _progress
+from tierfs.tools.progress import Silent
 
 CANNOT_RUN = 2
 BATCH = 1000              # inodes (or replica rows x 10) per read transaction
-STATUS_INTERVAL = 5.0     # seconds between status lines when stderr is not a terminal
 
 
 class ReportError(Exception):
     """The report cannot run: one line on stderr, exit code 2."""
 
+
+
+class Progress(_progress.Progress):
+    """Status lines of this tool start with its name."""
+
+    label = "tierfs report"
 
 # =========================================================================== the numbers
 
@@ -133,52 +139,6 @@ class Report:
 # =========================================================================== progress
 
 
-class Progress:
-    """A tqdm bar on a terminal; otherwise a status line every ``interval`` seconds."""
-
-    def __init__(self, stream=None, interval: float = STATUS_INTERVAL):
-        self.stream = stream if stream is not None else sys.stderr
-        self.tty = self.stream.isatty()
-        self.interval = interval
-        self._bar = None
-        self._name = ""
-        self._total = self._done = 0
-        self._last = time.monotonic()
-
-    def phase(self, name: str, total: int, unit: str) -> None:
-        self.close()
-        self._name, self._total, self._done = name, total, 0
-        self._last = time.monotonic()
-        if self.tty:
-            from tqdm import tqdm
-
-            self._bar = tqdm(total=total, desc=name, unit=unit, file=self.stream,
-                             leave=False, dynamic_ncols=True)
-
-    def advance(self, n: int) -> None:
-        self._done += n
-        if self._bar is not None:
-            self._bar.update(n)
-            return
-        now = time.monotonic()
-        if now - self._last >= self.interval:
-            self._last = now
-            share = f" ({100 * self._done // self._total}%)" if self._total else ""
-            print(f"tierfs report: {self._name}: {self._done} of {self._total}{share}",
-                  file=self.stream, flush=True)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
-
-
-class _Silent(Progress):
-    def __init__(self):
-        super().__init__(stream=sys.stderr, interval=float("inf"))
-        self.tty = False
-
-
 # =========================================================================== the target
 
 
@@ -216,7 +176,7 @@ class Collector:
 
     def __init__(self, data_dir: Path, progress: Progress | None = None):
         self.data_dir = Path(data_dir)
-        self.progress = progress or _Silent()
+        self.progress = progress or Silent()
 
     def collect(self) -> Report:
         try:

@@ -5,36 +5,22 @@ that when the command returns the data directory is clean and free for fsck or a
 from __future__ import annotations
 
 import errno
-import os
 import subprocess
 import time
 from pathlib import Path
 
 from tierfs.fs.errors import FsError
 from tierfs.fs.mountlock import MountLock
-
-
-def find_mount(mountpoint: Path) -> tuple[str, str] | None:
-    """(fstype, source) of the mount at ``mountpoint`` from /proc/self/mountinfo."""
-    target = os.path.realpath(mountpoint)
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            fields = left.split()
-            mount_point = fields[4].replace("\\040", " ")
-            if mount_point == target:
-                fstype, source = right.split()[:2]
-                return fstype, source.replace("\\040", " ")
-    return None
+from tierfs.tools.mountinfo import FSTYPE, mount_at
 
 
 def unmount(mountpoint: Path, timeout: float = 120.0) -> None:
-    found = find_mount(mountpoint)
+    found = mount_at(str(mountpoint))
     if found is None:
         raise FsError(errno.EINVAL, f"{mountpoint} is not mounted")
-    fstype, source = found
-    if fstype != "fuse.tierfs":
-        raise FsError(errno.EINVAL, f"{mountpoint} is not a tierfs mount ({fstype})")
+    if found.fstype != FSTYPE:
+        raise FsError(errno.EINVAL, f"{mountpoint} is not a tierfs mount ({found.fstype})")
+    source = found.source
     result = subprocess.run(["fusermount3", "-u", str(mountpoint)], capture_output=True,
                             text=True)
     if result.returncode != 0:

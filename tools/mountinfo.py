@@ -1,0 +1,67 @@
+"""Reading /proc/self/mountinfo: which mount a path or device belongs to, and a tierfs
+mount's data directory (its source, the fsname the daemon mounts with).
+
+Never stat a mount point from inside its own daemon: the lookups here compare strings.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+FSTYPE = "fuse.tierfs"
+
+
+@dataclass(frozen=True)
+class MountEntry:
+    """One line of /proc/self/mountinfo, the parts the tools need."""
+
+    device: str       # "major:minor", as st_dev of every file on it
+    mount_point: str
+    fstype: str
+    source: str       # for tierfs: the data directory (fsname)
+
+
+_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
+def _unescape(field: str) -> str:
+    """mountinfo writes space, tab, newline and backslash as octal escapes."""
+    return _ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), field)
+
+
+def mounts() -> list[MountEntry]:
+    entries = []
+    try:
+        with open("/proc/self/mountinfo") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return entries
+    for line in lines:
+        left, sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if not sep or len(fields) < 5 or len(tail) < 2:
+            continue
+        entries.append(MountEntry(fields[2], _unescape(fields[4]), _unescape(tail[0]),
+                                  _unescape(tail[1])))
+    return entries
+
+
+def mount_of_device(dev: int) -> MountEntry | None:
+    """The mount whose filesystem has this st_dev (the last one listed: the visible one)."""
+    device = f"{os.major(dev)}:{os.minor(dev)}"
+    found = [m for m in mounts() if m.device == device]
+    return found[-1] if found else None
+
+
+def mount_at(path: str) -> MountEntry | None:
+    """The mount whose mount point is ``path``: compared as given (made absolute) first;
+    only if that finds nothing is the path resolved, which stats it (tools only, never
+    the daemon of that mount)."""
+    target = os.path.abspath(path)
+    found = [m for m in mounts() if m.mount_point == target]
+    if not found:
+        real = os.path.realpath(path)
+        found = [m for m in mounts() if m.mount_point == real]
+    return found[-1] if found else None
