@@ -693,7 +693,8 @@ def test_setfattr_getfattr(mounted, tmp_path):
     assert os.getxattr(mnt / "f", "user.hex") == b"\x00\xff\x10"
     failing = ["getfattr -n user.missing f", "setfattr -x user.missing f",
                "getfattr -n user.missing d", "setfattr -h -n user.x -v 1 l",
-               "setfattr -n user.x -v 1 missing", "setfattr -n nonamespace -v 1 f",
+               "setfattr -n user.x -v 1 missing", "getfattr -n nonamespace f",
+               "setfattr -n nonamespace -v 1 f", "getfattr -n system.nonexistent f",
                "getfattr -n user.gone f"]
     for cmd in failing:
         results = [sh(cmd, cwd=base, check=False) for base in (ref, mnt)]
