@@ -264,8 +264,14 @@ class Volume:
         """Delete the data file and the meta file of ``gs`` (every meta file if gs is None).
 
         Missing files are fine (idempotent). Replicas still open keep working on the unlinked
-        files, but no longer count towards this volume's used bytes.
+        files, but no longer count towards this volume's used bytes. A volume that is not
+        there at all (moved away, unmounted) is an error, not "already deleted": the caller
+        keeps the deletion pending until the volume is back, or its files would return as
+        orphans.
         """
+        if not os.path.isdir(self._finalized):
+            raise VolumeError(f"volume {self.path} ({self.storage_type.name}) is not there; "
+                              f"cannot delete blk_{block_id}")
         leaf = self._leaf_dir(block_id)
         gss = self.meta_gss(block_id) if gs is None else [gs]
         paths = [os.path.join(leaf, f"blk_{block_id}")]

@@ -63,11 +63,37 @@ class VolumeSet:
         Distinct replicas of a block never share a volume (``exclude``).
         """
         excluded = set(exclude)
-        candidates = [v for v in self.of_type(storage_type)
-                      if v.id not in excluded and v.has_room(nbytes)]
-        if not candidates:
+        free = {}
+        for volume in self.of_type(storage_type):
+            if volume.id in excluded:
+                continue
+            try:
+                room = volume.free_bytes()
+            except FsError as exc:  # vanished or unreadable: not a candidate
+                log.warning("volume %s unusable for new replicas: %s", volume.path, exc)
+                continue
+            if room >= nbytes:
+                free[volume.id] = (room, volume)
+        if not free:
             return None
-        return max(candidates, key=lambda v: v.free_bytes())
+        return max(free.values(), key=lambda pair: pair[0])[1]
+
+    def delete_replicas(self, entries) -> list[int]:
+        """Delete the files of dropped replicas, ``entries`` being (block id, gs, volume
+        ids) trash rows; returns the block ids fully done. A row whose volume cannot
+        delete now (failed, moved away) stays pending for a later attempt."""
+        done = []
+        for block_id, _gs, volume_ids in entries:
+            try:
+                for volume_id in volume_ids:
+                    volume = self.by_id.get(volume_id)
+                    if volume is not None:
+                        volume.delete_replica(block_id, None)
+            except (FsError, OSError) as exc:
+                log.warning("replica files of block %d not deleted yet: %s", block_id, exc)
+                continue
+            done.append(block_id)
+        return done
 
     def space(self) -> tuple[int, int]:
         """(total, free) bytes over all volumes, counting each disk's free space once.
@@ -77,7 +103,11 @@ class VolumeSet:
         """
         groups: dict[int, list[Volume]] = defaultdict(list)
         for volume in self.by_id.values():
-            groups[os.stat(volume.path).st_dev].append(volume)
+            try:
+                groups[os.stat(volume.path).st_dev].append(volume)
+            except OSError:
+                continue  # a vanished volume offers no space
+
         total = free = 0
         for members in groups.values():
             disk_free = min(v.free_bytes() if v.capacity is None else v._disk_free()

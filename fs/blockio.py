@@ -313,12 +313,25 @@ class BlockIO:
         if not replicas:
             raise FsError(errno.EIO, f"block {rec.block_id} has no writable replica")
         growth = max(0, boff + len(piece) - rec.length)
+        good, failed = [], []
         for replica in replicas:
-            if growth and not replica.volume.has_room(growth):
+            try:
+                room = not growth or replica.volume.has_room(growth)
+            except FsError as exc:  # the volume vanished: this replica leaves the pipeline
+                log.error("volume %s of block %d unusable: %s", replica.volume.path,
+                          rec.block_id, exc)
+                failed.append(replica)
+                continue
+            if not room:
                 raise FsError(errno.ENOSPC, f"volume {replica.volume.path} is full")
+        if failed:
+            replicas = [r for r in replicas if r not in failed]
+            of.replicas[index] = replicas
+            of.retired.extend(failed)
+            self._drop_from_pipeline(of, index, replicas, [r.volume.id for r in failed])
+            failed = []
         if index not in of.bumped:
             self._bump(of, index, replicas)
-        good, failed = [], []
         for replica in replicas:
             try:
                 replica.write(boff, piece)
@@ -338,11 +351,31 @@ class BlockIO:
 
     def _bump(self, of: OpenFile, index: int, replicas: list[Replica]) -> None:
         """First change of an existing block in this write session: a new generation stamp,
-        on every replica's meta file first, then in the namespace."""
+        on every replica's meta file first, then in the namespace. A replica whose meta
+        file cannot take it leaves the pipeline (the others carry on)."""
         gs = self.ns.reserve("gs")
+        failed = []
         for replica in replicas:
-            replica.set_gs(gs)
-        self.ns.set_block_gs(of.ino, index, gs)
+            try:
+                replica.set_gs(gs)
+            except FsError as exc:
+                log.error("new generation stamp for block %d on %s failed: %s",
+                          replica.block_id, replica.volume.path, exc)
+                failed.append(replica)
+        if failed and len(failed) == len(replicas):
+            raise FsError(errno.EIO, f"no replica of block {of.blocks[index].block_id} "
+                                     f"takes a new generation stamp")
+        if failed:
+            good = [r for r in replicas if r not in failed]
+            of.replicas[index] = good
+            of.retired.extend(failed)
+            replicas[:] = good
+            self.ns.drop_replicas(of.ino, index, tuple(r.volume.id for r in failed), gs)
+            of.blocks[index].volumes = tuple(r.volume.id for r in good)
+            self.delete_trash(self.ns.last_trash)
+            self.on_needs_replication(of.ino, index)
+        else:
+            self.ns.set_block_gs(of.ino, index, gs)
         of.blocks[index].gs = gs
         of.bumped.add(index)
 
@@ -413,22 +446,8 @@ class BlockIO:
     # --- deletion of replica files ---------------------------------------------------------------
 
     def delete_trash(self, trash) -> None:
-        """Delete the files of replicas the namespace already dropped, then forget them.
-
-        A volume that cannot delete (failed, unreadable) keeps the entry for the next mount.
-        """
-        done = []
-        for block_id, gs, volume_ids in trash:
-            try:
-                for volume_id in volume_ids:
-                    volume = self.volumes.by_id.get(volume_id)
-                    if volume is not None:
-                        volume.delete_replica(block_id, None)
-            except (FsError, OSError) as exc:
-                log.error("cannot delete replicas of block %d yet: %s", block_id, exc)
-                continue
-            done.append(block_id)
-        self.ns.trash_done(done)
+        """Delete the files of replicas the namespace already dropped, then forget them."""
+        self.ns.trash_done(self.volumes.delete_replicas(trash))
 
 
 def _execute_read(plan: list, ino: int, bad: list) -> bytes:
@@ -447,11 +466,19 @@ def _execute_read(plan: list, ino: int, bad: list) -> bytes:
         for replica in replicas:
             try:
                 data = replica.read(boff, count)
-                break
             except FsError as exc:
                 log.error("read of block %d from %s failed: %s", block_id,
                           replica.volume.path, exc)
                 bad.append((index, replica.volume.id, str(exc)))
+                continue
+            if len(data) == count:
+                break
+            # Shorter than the block's recorded length: the replica lost data (truncated,
+            # torn). Its missing bytes are not zeros: fail over, never serve them.
+            reason = f"replica is {replica.length} bytes, block {block_id} has more"
+            log.error("read of block %d from %s failed: %s", block_id, replica.volume.path,
+                      reason)
+            bad.append((index, replica.volume.id, reason))
         else:
             raise FsError(errno.EIO, f"no readable replica of block {block_id} of inode {ino}")
         pieces.append(data if len(data) == wanted else data + bytes(wanted - len(data)))

@@ -11,7 +11,7 @@ nothing allowed has room the write fails with ENOSPC before any file is created.
 from __future__ import annotations
 
 import errno
-from typing import Callable
+from typing import Callable, Iterable
 
 from tierfs.backends.storage_types import StorageType
 from tierfs.backends.volume import Volume
@@ -21,7 +21,8 @@ from tierfs.satisfier.policies import BlockStoragePolicy
 
 
 def choose_volumes(policy: BlockStoragePolicy, replication: int, volumes: VolumeSet,
-                   nbytes: int, existing: list[Volume] | None = None) -> list[Volume]:
+                   nbytes: int, existing: list[Volume] | None = None,
+                   avoid: Iterable[int] = ()) -> list[Volume]:
     """Volumes for the replicas a block still needs.
 
     A new block (``existing`` None) uses the policy's creation fallbacks and fails with
@@ -29,12 +30,12 @@ def choose_volumes(policy: BlockStoragePolicy, replication: int, volumes: Volume
     block's good replicas) uses the replication fallbacks and may return nothing; transient
     replicas (RAM_DISK) count for nothing, as in HDFS. Either way the result can be shorter
     than what is missing when the allowed types run out of volumes: the block is then
-    under-replicated, as in HDFS.
+    under-replicated, as in HDFS. ``avoid``: volume ids not to use (a copy there failed).
     """
     new_block = existing is None
     existing = existing or []
     chosen_types = [v.storage_type for v in existing if not v.storage_type.transient]
-    used = [v.id for v in existing]
+    used = [v.id for v in existing] + list(avoid)
     added: list[Volume] = []
     unavailable: set[StorageType] = set()
     while len(chosen_types) < replication:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 from tierfs.backends.volume_set import VolumeSet
@@ -47,6 +48,7 @@ class RecoveryReport:
     orphans_purged: int = 0
     orphan_replicas_removed: int = 0
     stale_meta_removed: int = 0
+    stale_replicas_dropped: int = 0
     chunks_rechecksummed: int = 0
     missing_replicas: list[str] = field(default_factory=list)
 
@@ -56,13 +58,8 @@ class RecoveryReport:
 
 
 def delete_trash(ns: Namespace, volumes: VolumeSet) -> int:
-    done = []
-    for block_id, _gs, volume_ids in ns.trash():
-        for volume_id in volume_ids:
-            volume = volumes.by_id.get(volume_id)
-            if volume is not None:
-                volume.delete_replica(block_id, None)
-        done.append(block_id)
+    """Every pending trash row whose volumes are there; returns how many were done."""
+    done = volumes.delete_replicas(ns.trash())
     ns.trash_done(done)
     return len(done)
 
@@ -126,21 +123,32 @@ def recover_lease(ns: Namespace, volumes: VolumeSet, ino: int, report: RecoveryR
 
 def settle_block(ns: Namespace, volumes: VolumeSet, ino: int, index: int, rec: BlockRecord,
                  report: RecoveryReport) -> BlockRecord:
-    """One block of a leased file: newest replicas kept, data re-verified, length agreed."""
+    """One block of a leased file: newest replicas kept, data re-verified, length agreed.
+
+    Replicas are judged against each other before anything is changed. Below the persisted
+    length the data was acknowledged: a replica that is shorter there, or has a chunk that
+    fails its checksum while another replica is intact, is corrupt and dropped (never the
+    intact one cut to match it). Only when no replica is intact below the persisted length
+    (a torn overwrite with nothing better, e.g. replication 1) are the torn chunks kept and
+    re-checksummed: unsynced data, which POSIX lets a crash leave old, new or mixed. Beyond
+    the persisted length data counts while its chunks verify; the length is the smallest
+    among the replicas kept (seed 002), and longer ones are cut to it.
+    """
     bpc = ns.config.bytes_per_checksum
-    good: list[tuple[int, int]] = []  # (volume id, verified length)
-    gs = rec.gs
     found = {}
     for vid in rec.volumes:
         volume = volumes.by_id.get(vid)
-        gss = volume.meta_gss(rec.block_id) if volume is not None else []
+        try:
+            gss = volume.meta_gss(rec.block_id) if volume is not None else []
+        except FsError:
+            gss = []
         if not gss or max(gss) < rec.gs:
             report.missing_replicas.append(f"block {rec.block_id} on volume {vid}")
             log.error("replica of block %d on volume %d is missing or stale", rec.block_id, vid)
             continue
         found[vid] = max(gss)
-    if found:
-        gs = max(found.values())
+    gs = max(found.values(), default=rec.gs)
+    scans: list[_ReplicaScan] = []
     for vid, replica_gs in found.items():
         volume = volumes.get(vid)
         for old_gs in volume.meta_gss(rec.block_id):
@@ -150,79 +158,129 @@ def settle_block(ns: Namespace, volumes: VolumeSet, ino: int, index: int, rec: B
         if replica_gs < gs:
             continue  # an older version than a sibling replica: stale
         try:
-            settled = _settle_replica(volume, rec.block_id, gs, rec.length, bpc, report)
+            scans.append(_scan_replica(volume, rec.block_id, gs, rec.length, bpc))
         except FsError as exc:  # data file gone, meta header damaged: as good as missing
             report.missing_replicas.append(f"block {rec.block_id} on volume {vid}: {exc}")
             log.error("replica of block %d on volume %d unusable: %s", rec.block_id, vid, exc)
-            continue
-        good.append((vid, settled))
-    if not good:
+    if not scans:
         return BlockRecord(rec.block_id, rec.gs, rec.length, ())
-    length = min(n for _, n in good)
-    for vid, n in good:
-        if n > length:
-            replica = volumes.get(vid).open_replica(rec.block_id, gs, writable=True)
-            try:
+    intact = [r for r in scans if r.data_len >= rec.length and not r.bad_below]
+    if intact:
+        for r in scans:
+            if r not in intact:
+                report.missing_replicas.append(f"block {rec.block_id} on volume {r.vid}")
+                log.warning("replica of block %d on volume %d is short or torn below the "
+                            "persisted length while another is intact: dropped",
+                            rec.block_id, r.vid)
+        good = intact
+    else:
+        good = scans
+        for r in good:
+            _rechecksum(volumes.get(r.vid), rec.block_id, gs, r.bad_below, bpc, report)
+    length = min(r.verified_end for r in good)
+    for r in good:
+        replica = volumes.get(r.vid).open_replica(rec.block_id, gs, writable=True)
+        try:
+            if replica.length > length:
                 replica.truncate(length)
-            finally:
-                replica.close()
-    return BlockRecord(rec.block_id, gs, length, tuple(vid for vid, _ in good))
+            replica.fsync()
+        finally:
+            replica.close()
+    return BlockRecord(rec.block_id, gs, length, tuple(r.vid for r in good))
 
 
-def _settle_replica(volume, block_id: int, gs: int, persisted: int, bpc: int,
-                    report: RecoveryReport) -> int:
-    """Length of this replica after recovery.
+@dataclass
+class _ReplicaScan:
+    """What a read-only pass over one replica of a leased block found."""
 
-    Below the persisted length the data was acknowledged to the kernel; a chunk whose CRC
-    does not match was torn by the crash mid-overwrite (unsynced data, which POSIX lets a
-    crash leave old, new or mixed), so its checksum is recomputed from the data. Beyond the
-    persisted length, data counts only while its chunks verify.
-    """
-    replica = volume.open_replica(block_id, gs, writable=True)
+    vid: int
+    data_len: int
+    bad_below: list[int]   # offsets of chunks below the persisted length that fail
+    verified_end: int      # end of the data that counts (see settle_block)
+
+
+def _scan_replica(volume, block_id: int, gs: int, persisted: int, bpc: int) -> _ReplicaScan:
+    replica = volume.open_replica(block_id, gs, writable=False)
     try:
         data_len = replica.length
-        fd = os.open(volume.data_path(block_id), os.O_RDONLY)
-        try:
-            offset = 0
-            while offset < data_len:
-                count = min(bpc, data_len - offset)
-                try:
-                    replica.read(offset, count)
-                except FsError:
-                    if offset >= persisted:
-                        break
-                    raw = os.pread(fd, count, offset)
-                    replica.write(offset, raw)
-                    report.chunks_rechecksummed += 1
-                offset += count
-        finally:
-            os.close(fd)
-        if offset < data_len:
-            replica.truncate(offset)
-        replica.fsync()
-        return min(offset, data_len)
+        bad_below: list[int] = []
+        offset = 0
+        while offset < data_len:
+            count = min(bpc, data_len - offset)
+            try:
+                replica.read(offset, count)
+            except FsError:
+                if offset >= persisted:
+                    break
+                bad_below.append(offset)
+            offset += count
+        return _ReplicaScan(volume.id, data_len, bad_below, min(offset, data_len))
     finally:
         replica.close()
 
 
+def _rechecksum(volume, block_id: int, gs: int, offsets: list[int], bpc: int,
+                report: RecoveryReport) -> None:
+    """Accept torn chunks as they are: recompute their checksums from the data."""
+    if not offsets:
+        return
+    replica = volume.open_replica(block_id, gs, writable=True)
+    fd = os.open(volume.data_path(block_id), os.O_RDONLY)
+    try:
+        for offset in offsets:
+            replica.write(offset, os.pread(fd, min(bpc, replica.length - offset), offset))
+            report.chunks_rechecksummed += 1
+    finally:
+        os.close(fd)
+        replica.close()
+
+
 def scan_volumes(ns: Namespace, volumes: VolumeSet, report: RecoveryReport) -> None:
-    """Remove replica files the namespace does not refer to, and stale meta files."""
+    """Remove replica files the namespace does not refer to, and stale replicas.
+
+    A replica of a known block whose meta file carries an older generation stamp than the
+    namespace's, or that lacks its data or meta file, is never served: its files are
+    deleted and the volume is dropped from the block, so the replication monitor restores
+    the replica count. Older meta files beside a current one are simply removed.
+    """
+    stale: list[tuple[bytes, int, int]] = []  # (block key, volume id, block id)
     with ns.env.begin() as txn:
         for volume in volumes:
-            for info in volume.iter_replicas():
-                owner = txn.get(schema.replica_key(volume.id, info.block_id),
-                                db=ns.db["replicas"])
+            by_block: dict[int, list] = defaultdict(list)
+            try:
+                for info in volume.iter_replicas():
+                    by_block[info.block_id].append(info)
+            except (FsError, OSError) as exc:
+                log.error("cannot scan volume %s: %s", volume.path, exc)
+                continue
+            for block_id, infos in by_block.items():
+                owner = txn.get(schema.replica_key(volume.id, block_id), db=ns.db["replicas"])
                 rec_raw = None if owner is None else txn.get(owner, db=ns.db["blocks"])
                 if rec_raw is None:
-                    volume.delete_replica(info.block_id, None)
+                    volume.delete_replica(block_id, None)
                     report.orphan_replicas_removed += 1
                     continue
                 rec = BlockRecord.unpack(rec_raw)
-                if info.gs is not None and info.gs < rec.gs and info.meta_path is not None:
-                    try:
-                        os.unlink(info.meta_path)
-                        report.stale_meta_removed += 1
-                    except FileNotFoundError:
-                        pass
+                gss = {i.gs for i in infos if i.gs is not None}
+                if rec.gs in gss and any(i.data_path for i in infos):
+                    for info in infos:
+                        if info.gs is not None and info.gs < rec.gs:
+                            _unlink(info.meta_path)
+                            report.stale_meta_removed += 1
+                elif max(gss, default=0) <= rec.gs:
+                    stale.append((bytes(owner), volume.id, block_id))
             report.orphan_replicas_removed += volume.clear_tmp()
+    for owner, volume_id, block_id in stale:
+        ino, index = schema.split_block_key(owner)
+        ns.drop_replicas(ino, index, (volume_id,))  # its files go through the trash
+        report.stale_replicas_dropped += 1
+        log.warning("stale replica of block %d on volume %d removed", block_id, volume_id)
+    if stale:
+        delete_trash(ns, volumes)
 
+
+def _unlink(path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -29,7 +29,7 @@ import trio
 from tierfs.backends.copy import copy_error, copy_replica
 from tierfs.backends.volume_set import VolumeSet
 from tierfs.fs.blockio import BlockIO
-from tierfs.fs.errors import FsError
+from tierfs.fs.errors import ChecksumError, FsError
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.placement import choose_volumes
 from tierfs.fs.resolver import Resolver
@@ -38,7 +38,7 @@ from tierfs.fs.schema import BlockRecord
 log = logging.getLogger(__name__)
 
 ROUND_SECONDS = 0.5
-RETRY_SECONDS = 30.0
+RETRY_SECONDS = 5.0
 BATCH = 256
 
 
@@ -52,6 +52,9 @@ class ReplicationMonitor:
         self.bad: dict[tuple[int, int], dict[int, str]] = {}
         self.retry_at: dict[tuple[int, int], float] = {}
         self.failures: dict[tuple[int, int], str] = {}
+        # Volumes where a copy of a block failed (e.g. leftovers of a dropped replica that
+        # could not be deleted yet): the next attempt goes elsewhere.
+        self.avoid: dict[tuple[int, int], set[int]] = {}
         blockio.on_needs_replication = self.note
         blockio.on_bad_replica = self.report_bad
 
@@ -99,6 +102,7 @@ class ReplicationMonitor:
             try:
                 added += await self._repair(ino, index)
                 self.pending.discard(key)
+                self.avoid.pop(key, None)
                 self.failures.pop(key, None)
                 self.retry_at.pop(key, None)
             except FsError as exc:
@@ -123,7 +127,8 @@ class ReplicationMonitor:
         policy = self.resolver.policy(ino)
         source = self._source(rec, ino, index)
         existing = [self.volumes.get(v) for v in rec.volumes]
-        targets = choose_volumes(policy, replication, self.volumes, rec.length, existing)
+        targets = choose_volumes(policy, replication, self.volumes, rec.length, existing,
+                                 avoid=self.avoid.get((ino, index), ()))
         for target in targets:
             await self._copy(ino, index, rec, source, target)
         if self._persistent_count(rec) < replication:
@@ -179,8 +184,10 @@ class ReplicationMonitor:
         try:
             await trio.to_thread.run_sync(copy_replica, source, target, rec.block_id, rec.gs)
         except FsError as exc:
-            if exc.errno == errno.EIO:
+            if isinstance(exc, ChecksumError):
                 self.report_bad(ino, index, source.id, str(exc))
+            else:
+                self.avoid.setdefault((ino, index), set()).add(target.id)
             raise
         if not self.ns.add_replica(ino, index, rec.block_id, rec.gs, target.id):
             target.delete_replica(rec.block_id, rec.gs)
