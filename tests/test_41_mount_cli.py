@@ -623,3 +623,31 @@ def test_no_traceback_from_tools_on_odd_input(tmp_path):
         assert r.returncode != 0, cmd
         assert "Traceback" not in r.stderr, (cmd, r.stderr)
         assert 1 <= len(r.stderr.splitlines()) <= 3, (cmd, r.stderr)
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
+def test_signal_while_the_mount_is_in_use_for_reading(make_mount, how):
+    """A process with its cwd in the mount and a file open for reading does not stop the
+    signal from unmounting; the daemon exits 0 and leaves a clean filesystem."""
+    mount = make_mount()
+    mnt, data = mount.mountpoint, mount.data
+    (mnt / "sub").mkdir()
+    (mnt / "sub" / "f").write_bytes(b"read me\n" * 1000)
+    reader = subprocess.Popen(
+        ["python3", "-c", "import sys, time; f = open('f', 'rb'); f.read(10); "
+         "print('ready', flush=True); time.sleep(60)"],
+        cwd=mnt / "sub", stdout=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout.readline().strip() == "ready"
+        mount.proc.send_signal(getattr(signal, how))
+        rc = mount.proc.wait(timeout=30)
+        mount.proc = None
+    finally:
+        reader.kill()
+        reader.wait()
+    assert rc == 0, mount.log_text()
+    assert not is_mounted(mnt)
+    assert lock_is_free(data)
+    assert not mount.errors_logged(), mount.errors_logged()
+    assert_fsck_clean(data)
+    assert_remount_is_clean(data, mnt, {"sub/f": b"read me\n" * 1000})
