@@ -14,7 +14,7 @@ Exit codes: 0 mounted (or unmounted cleanly with -f), 1 cannot mount, 2 usage.
 from __future__ import annotations
 
 import argparse
-import errno
+import ctypes
 import logging
 import os
 import signal
@@ -40,6 +40,8 @@ from tierfs.tools import mkfs, mountinfo
 log = logging.getLogger("tierfs.mount")
 
 TICK_SECONDS = 1.0
+SIGNAL_FLUSH_SECONDS = 30.0
+_LIBC = ctypes.CDLL(None, use_errno=True)
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s: %(message)s"
 
 
@@ -130,9 +132,11 @@ def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:
 
 
 def shutdown(ops: Operations, blockio: BlockIO, ns: Namespace) -> None:
-    """After unmount the kernel has forgotten every inode: purge orphans, mark clean."""
-    blockio.persist_all()
+    """After unmount the kernel has forgotten every inode and closed every handle: persist
+    what is open and close its lease (nothing needs recovery after a clean stop), purge
+    orphans, mark clean."""
     for of in list(blockio.files.values()):
+        blockio.persist(of, drop_lease=of.leased)
         blockio.close_all(of)
     blockio.files.clear()
     for ino in ns.orphans():
@@ -146,7 +150,7 @@ async def serve(ops: Operations, blockio: BlockIO, ns: Namespace, mountpoint: st
     async with trio.open_nursery() as nursery:
         ops.nursery = nursery
         nursery.start_soon(_tick, blockio, ns)
-        nursery.start_soon(_signals)
+        nursery.start_soon(_signals, mountpoint)
         nursery.start_soon(_tune_after_init, ops, mountpoint)
         nursery.start_soon(ops.replication.run)
         await pyfuse3.main()
@@ -167,11 +171,36 @@ async def _tick(blockio: BlockIO, ns: Namespace) -> None:
         await trio.to_thread.run_sync(ns.sync)
 
 
-async def _signals() -> None:
+async def _signals(mountpoint: str) -> None:
+    """SIGINT/SIGTERM unmount cleanly. With writeback caching the kernel may still hold
+    data that write() accepted: it is flushed first (syncfs of our own mount, from a worker
+    thread, while this loop keeps serving the writes it causes), then the daemon stops. A
+    second signal stops at once."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
-            log.info("signal %d: unmounting", signum)
+            log.info("signal %d: unmounting (cached writes flushed first)", signum)
+            with trio.move_on_after(SIGNAL_FLUSH_SECONDS):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_flush_then_cancel, mountpoint, nursery.cancel_scope)
+                    async for _ in signals:
+                        break  # another signal: no more waiting
+                    nursery.cancel_scope.cancel()
             pyfuse3.terminate()
+            return
+
+
+async def _flush_then_cancel(mountpoint: str, scope: trio.CancelScope) -> None:
+    await trio.to_thread.run_sync(_syncfs, mountpoint, abandon_on_cancel=True)
+    scope.cancel()
+
+
+def _syncfs(mountpoint: str) -> None:
+    fd = os.open(mountpoint, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if _LIBC.syncfs(fd) != 0:
+            log.warning("syncfs of %s failed: %s", mountpoint, os.strerror(ctypes.get_errno()))
+    finally:
+        os.close(fd)
 
 
 def run(args, ready_fd: int | None) -> int:
@@ -229,18 +258,36 @@ def daemonize(args) -> int:
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1):
         os.dup2(devnull, fd)
-    log_path = args.log or os.path.join(os.path.abspath(args.data), "tierfs.log")
-    try:
-        if os.path.exists(args.data) and not os.path.isdir(args.data):
-            raise NotADirectoryError(errno.ENOTDIR, "not a directory", args.data)
-        os.makedirs(os.path.dirname(log_path), exist_ok=True)
-        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    except OSError as exc:
-        os.write(write_fd, f"error: cannot open log {log_path}: {exc.strerror}\n".encode())
-        os._exit(1)
-    os.dup2(log_fd, 2)
+    os.dup2(devnull, 2)
+    log_path = args.log or os.path.join(args.data, "tierfs.log")
+    if may_mount(args):  # else run() fails, through the pipe, without leaving a log behind
+        try:
+            open_log(log_path)
+        except OSError as exc:
+            os.write(write_fd, f"error: cannot open log {log_path}: {exc.strerror}\n".encode())
+            os._exit(1)
     os.chdir("/")
     os._exit(run(args, write_fd))
+
+
+def may_mount(args) -> bool:
+    """The checks of prepare() that decide whether DATA is ours to write a log into: the
+    mount point is a directory, and DATA is missing, empty or a tierfs filesystem."""
+    data = Path(args.data)
+    if not os.path.isdir(args.mountpoint):
+        return False
+    if not data.exists():
+        return True
+    return data.is_dir() and (mkfs.is_filesystem(data) or
+                              all(p.name == "tierfs.log" for p in data.iterdir()))
+
+
+def open_log(path: str) -> None:
+    """Background mode: stderr (the logging stream) goes to the log file from now on."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 def main(argv: list[str] | None = None) -> int:
