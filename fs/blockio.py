@@ -83,6 +83,9 @@ class BlockIO:
         self.block_size = ns.config.block_size
         self.bpc = ns.config.bytes_per_checksum
         self.files: dict[int, OpenFile] = {}
+        # Blocks written since their last fsync, per inode. Outlives OpenFile: a later
+        # open + fsync (``sync FILE``) must sync what an earlier, closed handle wrote.
+        self.unsynced: dict[int, set[int]] = {}
         # Told about blocks that need replication work: (ino, index), e.g. a new block
         # placed only on transient volumes, or a replica dropped from a write pipeline.
         self.on_needs_replication: Callable[[int, int], None] = lambda ino, index: None
@@ -97,7 +100,8 @@ class BlockIO:
         if of is None:
             inode = self.ns.get_inode(ino)
             of = OpenFile(ino, inode.size, inode.atime_ns, inode.mtime_ns, inode.ctime_ns,
-                          self.ns.get_blocks(ino))
+                          self.ns.get_blocks(ino),
+                          unsynced=self.unsynced.setdefault(ino, set()))
             self.files[ino] = of
         of.users += 1
         of.writers += int(writer)
@@ -116,15 +120,19 @@ class BlockIO:
         truncate, which a read-only O_TRUNC open also does) is persisted away."""
         of.users -= 1
         of.writers -= int(writer)
-        if of.writers == 0 and of.leased:
-            self.persist(of, drop_lease=True)
-            of.leased = False
-            of.bumped.clear()
-        elif of.attrs_dirty or of.dirty:
-            self.persist(of)
-        if of.users == 0:
-            self.close_all(of)
-            del self.files[of.ino]
+        try:
+            if of.writers == 0 and of.leased:
+                self.persist(of, drop_lease=True)
+                of.leased = False
+                of.bumped.clear()
+            elif of.attrs_dirty or of.dirty:
+                self.persist(of)
+        finally:  # a failed persist (disk full) must not keep the file open forever
+            if of.users == 0:
+                self.close_all(of)
+                del self.files[of.ino]
+                if not of.unsynced:
+                    self.unsynced.pop(of.ino, None)
 
     def close_all(self, of: OpenFile) -> None:
         self.retire_replicas(of)
@@ -158,7 +166,8 @@ class BlockIO:
         """Make the file's data and all metadata durable before returning."""
         async with of.lock:
             self.persist(of)
-            replicas = [r for i in of.unsynced for r in of.replicas.get(i, ())]
+            replicas = [r for i in sorted(of.unsynced) if i in of.blocks
+                        for r in self._replicas(of, i, writable=i in of.writable)]
             of.unsynced.clear()
             await trio.to_thread.run_sync(self._sync_replicas_and_namespace, replicas)
 
@@ -230,17 +239,41 @@ class BlockIO:
         themselves run in a worker thread when large, so the disk reads of the kernel's
         concurrent readahead requests overlap (measured: README, "Speed").
         """
-        plan = self._plan_read(of, offset, size)
-        if not plan:
-            return b""
-        self._touch_atime(of)
-        bad: list[tuple[int, int, str]] = []
-        try:
-            if size >= THREAD_READ_MIN and any(not isinstance(p, int) for p in plan):
-                return await trio.to_thread.run_sync(_execute_read, plan, of.ino, bad)
-            return _execute_read(plan, of.ino, bad)
-        finally:
-            for index, volume_id, reason in bad:
+        for attempt in (1, 2):
+            plan = self._plan_read(of, offset, size)
+            if not plan:
+                return b""
+            self._touch_atime(of)
+            bad: list[tuple[int, int, str]] = []
+            short: list[tuple[int, int, int]] = []
+            try:
+                if size >= THREAD_READ_MIN and any(not isinstance(p, int) for p in plan):
+                    return await trio.to_thread.run_sync(_execute_read, plan, of.ino, bad,
+                                                         short)
+                return _execute_read(plan, of.ino, bad, short)
+            except _ShortRead as exc:
+                if attempt == 1 and self._shrunk(of, exc.index, exc.planned_end):
+                    continue  # truncated while the read ran: plan it again
+                raise FsError(errno.EIO, f"no complete replica of block {exc.block_id} of "
+                                         f"inode {of.ino}") from None
+            finally:
+                self._report_read_failures(of, bad, short)
+        raise AssertionError("unreachable")
+
+    def _shrunk(self, of: OpenFile, index: int, planned_end: int) -> bool:
+        rec = of.blocks.get(index)
+        return rec is None or rec.length < planned_end
+
+    def _report_read_failures(self, of: OpenFile, bad: list, short: list) -> None:
+        """Bad replicas go to the monitor. A replica shorter than planned is bad only if
+        the block did not shrink meanwhile (a truncate racing a read is not damage)."""
+        for index, volume_id, reason in bad:
+            self.on_bad_replica(of.ino, index, volume_id, reason)
+        for index, volume_id, planned_end in short:
+            if not self._shrunk(of, index, planned_end):
+                reason = f"replica shorter than its block's {of.blocks[index].length} bytes"
+                log.error("read of block %d of inode %d from volume %d failed: %s", index,
+                          of.ino, volume_id, reason)
                 self.on_bad_replica(of.ino, index, volume_id, reason)
 
     def _plan_read(self, of: OpenFile, offset: int, size: int) -> list:
@@ -445,17 +478,30 @@ class BlockIO:
 
     # --- deletion of replica files ---------------------------------------------------------------
 
+    def forget(self, ino: int) -> None:
+        """The inode is purged: nothing of it is left to sync."""
+        self.unsynced.pop(ino, None)
+
     def delete_trash(self, trash) -> None:
         """Delete the files of replicas the namespace already dropped, then forget them."""
         self.ns.trash_done(self.volumes.delete_replicas(trash))
 
 
-def _execute_read(plan: list, ino: int, bad: list) -> bytes:
+class _ShortRead(Exception):
+    """Every replica of a block was unreadable and some were shorter than planned."""
+
+    def __init__(self, index: int, block_id: int, planned_end: int):
+        super().__init__(index)
+        self.index, self.block_id, self.planned_end = index, block_id, planned_end
+
+
+def _execute_read(plan: list, ino: int, bad: list, short: list) -> bytes:
     """Carry out a read plan; fails over between replicas, EIO when none is readable.
 
     Runs in the trio thread or a worker thread: it touches only the replicas it was given
     (thread-safe, and never closed while the file is open). Replicas that failed are
-    appended to ``bad`` as (block index, volume id, reason) for the caller to report.
+    appended to ``bad`` as (block index, volume id, reason), replicas shorter than planned
+    to ``short`` as (block index, volume id, planned end), for the caller to judge.
     """
     pieces = []
     for segment in plan:
@@ -463,6 +509,7 @@ def _execute_read(plan: list, ino: int, bad: list) -> bytes:
             pieces.append(bytes(segment))
             continue
         replicas, boff, count, wanted, block_id, index = segment
+        was_short = False
         for replica in replicas:
             try:
                 data = replica.read(boff, count)
@@ -473,13 +520,13 @@ def _execute_read(plan: list, ino: int, bad: list) -> bytes:
                 continue
             if len(data) == count:
                 break
-            # Shorter than the block's recorded length: the replica lost data (truncated,
-            # torn). Its missing bytes are not zeros: fail over, never serve them.
-            reason = f"replica is {replica.length} bytes, block {block_id} has more"
-            log.error("read of block %d from %s failed: %s", block_id, replica.volume.path,
-                      reason)
-            bad.append((index, replica.volume.id, reason))
+            # Shorter than planned: the replica lost data, or the block was truncated
+            # meanwhile (the caller tells which). Never serve the missing bytes as zeros.
+            short.append((index, replica.volume.id, boff + count))
+            was_short = True
         else:
+            if was_short:
+                raise _ShortRead(index, block_id, boff + count)
             raise FsError(errno.EIO, f"no readable replica of block {block_id} of inode {ino}")
         pieces.append(data if len(data) == wanted else data + bytes(wanted - len(data)))
     return pieces[0] if len(pieces) == 1 else b"".join(pieces)

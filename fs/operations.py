@@ -150,9 +150,14 @@ class Operations(pyfuse3.Operations):
         return self.lookups.get(ino, 0) > 0 or ino in self.blockio.files
 
     def _after_unlink(self) -> None:
-        """Delete the files of replicas the last transaction purged."""
+        """Delete the files of replicas the last transaction purged. The unlink itself is
+        committed: a failure here must not be reported as its failure (the trash row stays
+        and is retried at the next mount)."""
         if self.ns.last_trash:
-            self.blockio.delete_trash(self.ns.last_trash)
+            try:
+                self.blockio.delete_trash(self.ns.last_trash)
+            except FsError as exc:
+                log.warning("replica files left for the next mount: %s", exc)
 
     def _maybe_purge(self, ino: int) -> None:
         if self._busy(ino) or ino == ROOT_INO:
@@ -163,6 +168,7 @@ class Operations(pyfuse3.Operations):
             return
         if inode.nlink == 0:
             self.ns.purge(ino)
+            self.blockio.forget(ino)
             self._after_unlink()
 
     def _new_owner(self, parent: Inode, mode: int, ctx) -> tuple[int, int, int]:
@@ -196,15 +202,20 @@ class Operations(pyfuse3.Operations):
         log.info("tierfs serving requests")
         self.initialized.set()
 
-    @handler
     async def forget(self, inode_list) -> None:
+        """Never raises: pyfuse3 has no reply for forget, so an exception here would end the
+        mount. A purge that fails now (disk full) waits for shutdown or the next mount; the
+        orphan row is durable already."""
         for ino, count in inode_list:
             left = self.lookups.get(ino, 0) - count
             if left > 0:
                 self.lookups[ino] = left
                 continue
             self.lookups.pop(ino, None)
-            self._maybe_purge(ino)
+            try:
+                self._maybe_purge(ino)
+            except Exception:
+                log.exception("purge of inode %d deferred", ino)
 
     # --- names -----------------------------------------------------------------------------
 
@@ -334,8 +345,13 @@ class Operations(pyfuse3.Operations):
         fi = self._open(inode, flags)
         if flags & os.O_TRUNC:  # Linux truncates even for O_RDONLY (permission checked)
             handle = self.handles[fi.fh]
-            if handle.of.size:
-                await self.blockio.truncate(handle.of, 0)
+            try:
+                if handle.of.size:
+                    await self.blockio.truncate(handle.of, 0)
+            except BaseException:  # the kernel sends no release for a failed open
+                self.handles.pop(fi.fh)
+                self.blockio.release(handle.of, writer=handle.writer)
+                raise
             fi.keep_cache = False
         return fi
 

@@ -180,6 +180,6 @@ class PolicyXattrs:
 
     def _replication_value(self, text: str) -> int:
         limit = len(self.volumes)
-        if not text.isdigit() or not 1 <= int(text) <= limit:
+        if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= limit:
             raise FsError(errno.EINVAL, f"replication must be an integer from 1 to {limit}")
         return int(text)

@@ -181,16 +181,19 @@ class ReplicationMonitor:
         raise FsError(errno.EIO, f"block {rec.block_id} of inode {ino} has no replica")
 
     async def _copy(self, ino: int, index: int, rec: BlockRecord, source, target) -> None:
+        # ``rec`` may be the open file's live record, which a writer re-stamps in place
+        # while the copy runs: record the copy only against the stamp actually copied.
+        block_id, gs = rec.block_id, rec.gs
         try:
-            await trio.to_thread.run_sync(copy_replica, source, target, rec.block_id, rec.gs)
+            await trio.to_thread.run_sync(copy_replica, source, target, block_id, gs)
         except FsError as exc:
             if isinstance(exc, ChecksumError):
                 self.report_bad(ino, index, source.id, str(exc))
             else:
                 self.avoid.setdefault((ino, index), set()).add(target.id)
             raise
-        if not self.ns.add_replica(ino, index, rec.block_id, rec.gs, target.id):
-            target.delete_replica(rec.block_id, rec.gs)
+        if not self.ns.add_replica(ino, index, block_id, gs, target.id):
+            target.delete_replica(block_id, gs)
             raise FsError(errno.EAGAIN, "block changed during the copy; retrying")
         rec.volumes = rec.volumes + (target.id,)
         self._refresh_open_file(ino, index, rec.volumes)
