@@ -452,6 +452,10 @@ class BlockIO:
             self.persist(of)
 
     def _shrink(self, of: OpenFile, new_size: int, now: int) -> None:
+        """Cut the file to ``new_size``. The lease first records the target size, so a
+        crash at any step is completed by recovery to exactly that size (never the old
+        size with zeros where cut data was); persist() clears the mark with the size."""
+        self.ns.take_lease(of.ino, self.session, now, truncate_to=new_size)
         bs = self.block_size
         keep = -(-new_size // bs)
         last = keep - 1

@@ -1010,8 +1010,12 @@ class Namespace:
                 key = schema.block_key(ino, index)
                 if txn.get(key, db=self.db["blocks"]) is not None:
                     txn.put(key, rec.pack(), db=self.db["blocks"])
+            lease = txn.get(u64(ino), db=self.db["leases"])
             if drop_lease:
                 txn.delete(u64(ino), db=self.db["leases"])
+            elif lease is not None and schema.lease_truncate_to(bytes(lease)) is not None:
+                # the new size is recorded now: the truncate in progress is complete
+                txn.put(u64(ino), bytes(lease)[:24], db=self.db["leases"])
 
         self._mutate(Op.UPDATE_BLOCKS,
                      (ino, size, [(i, r.gs, r.length) for i, r in blocks.items()]), body)
@@ -1032,11 +1036,19 @@ class Namespace:
         self._mutate(Op.TRUNCATE, (ino, keep_blocks, size), body)
         return self.last_trash
 
-    def take_lease(self, ino: int, holder: bytes, now_ns: int) -> None:
+    def take_lease(self, ino: int, holder: bytes, now_ns: int,
+                   truncate_to: int | None = None) -> None:
+        """Take (or re-take) the lease; ``truncate_to`` marks a shrinking truncate."""
         def body(w: _Write) -> None:
-            w.txn.put(u64(ino), schema.lease_value(holder, now_ns), db=self.db["leases"])
+            w.txn.put(u64(ino), schema.lease_value(holder, now_ns, truncate_to),
+                      db=self.db["leases"])
 
-        self._mutate(Op.LEASE, (ino, holder, True), body)
+        self._mutate(Op.LEASE, (ino, holder, True, truncate_to), body)
+
+    def lease_truncate_to(self, ino: int) -> int | None:
+        with self.env.begin() as txn:
+            raw = txn.get(u64(ino), db=self.db["leases"])
+        return None if raw is None else schema.lease_truncate_to(bytes(raw))
 
     def drop_lease(self, ino: int) -> None:
         def body(w: _Write) -> None:

@@ -87,9 +87,14 @@ def recover_lease(ns: Namespace, volumes: VolumeSet, ino: int, report: RecoveryR
         return
     bs = ns.config.block_size
     blocks = ns.get_blocks(ino)
+    truncate_to = ns.lease_truncate_to(ino)
+    dropped: dict[int, BlockRecord] = {}
+    if truncate_to is not None:
+        dropped = _finish_truncate(volumes, blocks, truncate_to, bs)
     settled: dict[int, BlockRecord] = {}
     for index, rec in sorted(blocks.items()):
-        settled[index] = settle_block(ns, volumes, ino, index, rec, report)
+        cap = None if truncate_to is None else max(0, truncate_to - index * bs)
+        settled[index] = settle_block(ns, volumes, ino, index, rec, report, cap=cap)
     last = max(settled, default=None)
     if last is not None and settled[last].volumes:
         gs = ns.reserve("gs")
@@ -102,7 +107,9 @@ def recover_lease(ns: Namespace, volumes: VolumeSet, ino: int, report: RecoveryR
                 replica.close()
         settled[last].gs = gs
     size = inode.size
-    if last is not None:
+    if truncate_to is not None:
+        size = truncate_to
+    elif last is not None:
         size = max(size, last * bs + settled[last].length)
 
     def body(w) -> None:
@@ -110,6 +117,8 @@ def recover_lease(ns: Namespace, volumes: VolumeSet, ino: int, report: RecoveryR
         current = Inode.unpack(ino, txn.get(u64(ino), db=ns.db["inodes"]))
         current.size = size
         txn.put(u64(ino), current.pack(), db=ns.db["inodes"])
+        for index, rec in dropped.items():
+            ns._drop_block(w, ino, index, rec)
         for index, rec in settled.items():
             old = blocks[index]
             for vid in set(old.volumes) - set(rec.volumes):
@@ -118,11 +127,44 @@ def recover_lease(ns: Namespace, volumes: VolumeSet, ino: int, report: RecoveryR
         txn.delete(u64(ino), db=ns.db["leases"])
 
     ns.run(Op.RECOVER, (ino, size), body)
-    log.info("recovered lease of inode %d: size %d", ino, size)
+    delete_trash(ns, volumes)
+    log.info("recovered lease of inode %d: size %d%s", ino, size,
+             " (truncate completed)" if truncate_to is not None else "")
+
+
+def _finish_truncate(volumes: VolumeSet, blocks: dict[int, BlockRecord], size: int,
+                     block_size: int) -> dict[int, BlockRecord]:
+    """A truncate to ``size`` was under way: remove the blocks past it from ``blocks``
+    (returned, for the recovery transaction to drop) and cut the last block's replicas,
+    whatever generation stamp each carries, to their part of ``size``."""
+    keep = -(-size // block_size)
+    dropped = {i: blocks.pop(i) for i in sorted(blocks) if i >= keep}
+    last = keep - 1
+    rec = blocks.get(last)
+    cut = size - last * block_size
+    if rec is not None and rec.length > cut:
+        for vid in rec.volumes:
+            volume = volumes.by_id.get(vid)
+            gss = volume.meta_gss(rec.block_id) if volume is not None else []
+            if not gss:
+                continue
+            try:
+                replica = volume.open_replica(rec.block_id, max(gss), writable=True)
+            except FsError:
+                continue  # settle_block judges it
+            try:
+                if replica.length > cut:
+                    replica.truncate(cut)
+            except FsError as exc:  # a torn chunk at the cut: settle_block caps and judges
+                log.warning("cutting block %d on volume %d: %s", rec.block_id, vid, exc)
+            finally:
+                replica.close()
+        blocks[last] = BlockRecord(rec.block_id, rec.gs, cut, rec.volumes)
+    return dropped
 
 
 def settle_block(ns: Namespace, volumes: VolumeSet, ino: int, index: int, rec: BlockRecord,
-                 report: RecoveryReport) -> BlockRecord:
+                 report: RecoveryReport, cap: int | None = None) -> BlockRecord:
     """One block of a leased file: newest replicas kept, data re-verified, length agreed.
 
     Replicas are judged against each other before anything is changed. Below the persisted
@@ -178,15 +220,23 @@ def settle_block(ns: Namespace, volumes: VolumeSet, ino: int, index: int, rec: B
         for r in good:
             _rechecksum(volumes.get(r.vid), rec.block_id, gs, r.bad_below, bpc, report)
     length = min(r.verified_end for r in good)
+    if cap is not None:
+        length = min(length, cap)  # a truncate to this point was under way
+    kept = []
     for r in good:
         replica = volumes.get(r.vid).open_replica(rec.block_id, gs, writable=True)
         try:
             if replica.length > length:
                 replica.truncate(length)
             replica.fsync()
+            kept.append(r.vid)
+        except FsError as exc:  # cannot be cut to the agreed length: not a good replica
+            report.missing_replicas.append(f"block {rec.block_id} on volume {r.vid}: {exc}")
+            log.warning("replica of block %d on volume %d dropped: %s", rec.block_id,
+                        r.vid, exc)
         finally:
             replica.close()
-    return BlockRecord(rec.block_id, gs, length, tuple(r.vid for r in good))
+    return BlockRecord(rec.block_id, gs, length, tuple(kept))
 
 
 @dataclass

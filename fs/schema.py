@@ -59,8 +59,11 @@ Databases (name: key -> value):
     volume u32 + block id u64 -> ino u64 + index u64. One row per replica; the per-volume
     index used by fsck, report and the satisfier.
 ``leases``
-    ino u64 -> holder (16-byte mount session id) + since (ns u64). A file open for writing;
-    a lease whose holder is not the running mount is recovered at mount.
+    ino u64 -> holder (16-byte mount session id) + since (ns u64) [+ truncate_to u64]. A
+    file being written; a lease whose holder is not the running mount is recovered at
+    mount. ``truncate_to`` is set while a shrinking truncate is under way (written before
+    any replica is cut, cleared with the transaction that records the new size), so that
+    recovery completes it to exactly that size.
 ``orphans``
     ino u64 -> b"". Inodes with nlink 0 that are still open or known to the kernel; purged
     when the last handle is released and the kernel forgets them, or at the next mount.
@@ -268,12 +271,18 @@ def parse_trash_value(raw: bytes) -> tuple[int, tuple[int, ...]]:
 
 # --- leases ------------------------------------------------------------------------------
 
-def lease_value(holder: bytes, since_ns: int) -> bytes:
-    return holder + U64.pack(since_ns)
+def lease_value(holder: bytes, since_ns: int, truncate_to: int | None = None) -> bytes:
+    tail = b"" if truncate_to is None else U64.pack(truncate_to)
+    return holder + U64.pack(since_ns) + tail
 
 
 def parse_lease_value(raw: bytes) -> tuple[bytes, int]:
     return bytes(raw[:16]), U64.unpack_from(raw, 16)[0]
+
+
+def lease_truncate_to(raw: bytes) -> int | None:
+    """The size a truncate in progress is cutting the file to, if the lease carries one."""
+    return U64.unpack_from(raw, 24)[0] if len(raw) >= 32 else None
 
 
 # --- journal -----------------------------------------------------------------------------

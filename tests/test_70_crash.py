@@ -617,3 +617,55 @@ def test_kill_with_several_open_unlinked_files_and_a_pending_write(make_mount):
     fsck_while_mounted(mount)
     stop_and_check(mount)
     assert block_files(data) == keep
+
+
+@pytest.mark.parametrize("kill_at", ["tierfs.fs.namespace:Namespace.truncate_blocks",
+                                     "tierfs.backends.replica:Replica.truncate"])
+def test_kill_inside_a_truncate_gives_exactly_the_truncated_file(tmp_path, kill_at):
+    """Regression (independent review): the truncate target is in the lease before any
+    replica is cut, so a kill between cutting and recording completes the truncate."""
+    import textwrap
+    data, mnt = tmp_path / "data", tmp_path / "mnt"
+    run_tool("mkfs", str(data), "--block-size", "1M")
+    mnt.mkdir()
+    arm = tmp_path / "arm"
+    launcher = tmp_path / "crashmount.py"
+    launcher.write_text(textwrap.dedent(f'''
+        import importlib, os, signal, sys
+        mod, attr = {kill_at!r}.split(":")
+        owner = importlib.import_module(mod)
+        *path, name = attr.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        original = getattr(owner, name)
+        def killing(*a, **k):
+            if os.path.exists({str(arm)!r}):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(*a, **k)
+        setattr(owner, name, killing)
+        from tierfs.mount import main
+        sys.exit(main(sys.argv[1:]))
+    '''))
+    daemon = subprocess.Popen([sys.executable, str(launcher), str(data), str(mnt), "-f"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while not os.path.ismount(mnt):
+        assert time.monotonic() < deadline and daemon.poll() is None
+        time.sleep(0.05)
+    original = os.urandom(3 << 20)
+    fd = os.open(mnt / "f", os.O_CREAT | os.O_WRONLY, 0o644)
+    os.write(fd, original)
+    os.fsync(fd)
+    os.close(fd)
+    arm.touch()
+    subprocess.run(["truncate", "-s", str(3 << 19), str(mnt / "f")], capture_output=True)
+    daemon.wait(timeout=30)
+    subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+    arm.unlink()
+    mount = Mount(data, mnt).start()
+    try:
+        assert (mnt / "f").read_bytes() == original[:3 << 19]
+        assert "truncate completed" in mount.log_text()
+    finally:
+        mount.stop()
+    assert_fsck_clean(data)
