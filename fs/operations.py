@@ -43,7 +43,7 @@ XATTR_VALUE_MAX = 65536        # Linux XATTR_SIZE_MAX
 XATTR_LIST_MAX = 65536         # Linux XATTR_LIST_MAX
 XATTR_INODE_MAX = 256 * 1024   # names + values stored per inode; beyond it ENOSPC
 XATTR_NAMESPACES = (b"user.", b"trusted.", b"security.")
-READDIR_BATCH = 256
+READDIR_BATCH = 32  # a readdirplus reply holds ~25 entries: read little more than that
 
 
 def handler(fn):
