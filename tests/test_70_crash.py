@@ -93,21 +93,30 @@ def finish_helper(proc: subprocess.Popen, what: str) -> None:
     assert proc.returncode == 0, f"{what} failed (seed {SEED}):\n{out}\n{err}"
 
 
-def kill(mount: Mount) -> None:
-    """kill -9 the daemon (and lazily unmount); nothing may have landed in the directory
-    underneath the mount point (a helper writing by path after the kill would do that)."""
+def crash_and_remount(mount: Mount, helper: subprocess.Popen | None = None,
+                      what: str = "") -> str:
+    """kill -9 (reaping ``helper``, the process that was working on the mount, before
+    checking nothing landed beside it), remount; returns the remount's log, which must
+    show that recovery ran."""
     mount.kill()
+    if helper is not None:
+        finish_helper(helper, what)
     assert os.listdir(mount.mountpoint) == [], "files written beside the dead mount"
-
-
-def crash_and_remount(mount: Mount) -> str:
-    """kill -9, remount; returns the remount's log, which must show that recovery ran."""
-    kill(mount)
     offset = log_offset(mount)
     mount.start()
     text = log_since(mount, offset)
     assert RECOVERY_LINE in text, f"the remount ran no recovery:\n{text}"
     return text
+
+
+def kill_under_helper(mount: Mount, helper: subprocess.Popen, what: str,
+                      rng: random.Random, max_delay: float) -> None:
+    """One crash round: let the ready helper work for a random moment, kill the daemon
+    under it, remount with recovery, and fsck beside the new daemon."""
+    wait_ready(helper)
+    time.sleep(rng.uniform(0.05, max_delay))
+    crash_and_remount(mount, helper, what)
+    fsck_while_mounted(mount)
 
 
 def stop_and_check(mount: Mount) -> None:
@@ -271,16 +280,7 @@ def test_kill_during_writes_and_fsyncs(make_mount, tmp_path, mkfs_args):
     for rnd in range(rounds):
         state = tmp_path / f"round{rnd}"
         writer = start_helper(WRITER, mount.mountpoint, state, SEED * 1000 + rnd)
-        wait_ready(writer)
-        time.sleep(rng.uniform(0.05, 1.2))
-        mount.kill()
-        finish_helper(writer, "writer")
-        assert os.listdir(mount.mountpoint) == [], "files written beside the dead mount"
-        offset = log_offset(mount)
-        mount.start()
-        text = log_since(mount, offset)
-        assert RECOVERY_LINE in text, f"the remount ran no recovery:\n{text}"
-        fsck_while_mounted(mount)
+        kill_under_helper(mount, writer, "writer", rng, 1.2)
         verify_writer_state(mount.mountpoint, state, SEED * 1000 + rnd)
         total_synced += sum(r["op"] == "synced" for r in read_journal(state))
         stop_and_check(mount)
@@ -356,15 +356,7 @@ def test_kill_during_truncates(make_mount, tmp_path):
         state = tmp_path / f"round{rnd}"
         seed = SEED * 1000 + rnd
         helper = start_helper(TRUNCATOR, path, state, seed, bs)
-        wait_ready(helper)
-        time.sleep(rng.uniform(0.05, 0.8))
-        mount.kill()
-        finish_helper(helper, "truncator")
-        assert os.listdir(mount.mountpoint) == [], "files written beside the dead mount"
-        offset = log_offset(mount)
-        mount.start()
-        assert RECOVERY_LINE in log_since(mount, offset)
-        fsck_while_mounted(mount)
+        kill_under_helper(mount, helper, "truncator", rng, 0.8)
         records = read_journal(state)
         done = [r for r in records if r["op"] == "done"]
         last = done[-1]["k"]
@@ -491,15 +483,7 @@ def test_kill_during_creates_unlinks_and_renames(make_mount, tmp_path):
         state = tmp_path / f"round{rnd}"
         seed = SEED * 1000 + rnd
         helper = start_helper(CREATOR, root, state, seed)
-        wait_ready(helper)
-        time.sleep(rng.uniform(0.05, 1.0))
-        mount.kill()
-        finish_helper(helper, "creator")
-        assert os.listdir(mount.mountpoint) == [], "files written beside the dead mount"
-        offset = log_offset(mount)
-        mount.start()
-        assert RECOVERY_LINE in log_since(mount, offset)
-        fsck_while_mounted(mount)
+        kill_under_helper(mount, helper, "creator", rng, 1.0)
         names, pending = _expected_names(read_journal(state), known, seed)
         found = _tree(root)
         extra = set(found) - set(names)
