@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import errno
 import logging
 import os
 import signal
@@ -290,6 +291,26 @@ def open_log(path: str) -> None:
     os.close(fd)
 
 
+class DroppedReplyFilter(logging.Filter):
+    """Demote pyfuse3's "fuse_reply_* failed with No such file or directory" to INFO.
+
+    The kernel answers a reply with ENOENT when it no longer holds the request: the caller
+    was interrupted, or the connection is being torn down at unmount while an asynchronous
+    RELEASE is still in flight. The operation itself has been carried out; only its answer
+    has nobody left to read it. libfuse stays silent for exactly this errno
+    (fuse_send_msg); pyfuse3 logs it as an error, which would hide real ones.
+    """
+
+    DROPPED = "fuse_reply_* failed with " + os.strerror(errno.ENOENT)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and self.DROPPED in record.getMessage():
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.msg, record.args = (record.getMessage()
+                                       + " (the kernel had already dropped the request)"), ()
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.data = os.path.abspath(args.data)
@@ -297,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
                         format=LOG_FORMAT,
                         filename=args.log if args.foreground and args.log else None)
+    logging.getLogger("pyfuse3").addFilter(DroppedReplyFilter())
     if args.foreground:
         return run(args, None)
     return daemonize(args)

@@ -651,3 +651,25 @@ def test_signal_while_the_mount_is_in_use_for_reading(make_mount, how):
     assert not mount.errors_logged(), mount.errors_logged()
     assert_fsck_clean(data)
     assert_remount_is_clean(data, mnt, {"sub/f": b"read me\n" * 1000})
+
+
+def test_reply_to_a_dropped_request_is_not_logged_as_an_error():
+    """The kernel forgets a request when its caller is interrupted or the connection ends at
+    unmount with an asynchronous RELEASE in flight; pyfuse3 then logs the failed reply as an
+    error. The daemon demotes exactly that (ENOENT) to INFO, as libfuse does, and leaves every
+    other failed reply an error."""
+    import logging
+
+    from tierfs.mount import DroppedReplyFilter
+
+    def filtered(msg: str, *args) -> logging.LogRecord:
+        record = logging.LogRecord("pyfuse3", logging.ERROR, __file__, 1, msg, args, None)
+        assert DroppedReplyFilter().filter(record)
+        return record
+
+    dropped = filtered("fuse_release(): fuse_reply_* failed with %s", os.strerror(errno.ENOENT))
+    assert dropped.levelname == "INFO" and dropped.levelno == logging.INFO
+    assert "fuse_release()" in dropped.getMessage()
+    assert "dropped the request" in dropped.getMessage()
+    other = filtered("fuse_write(): fuse_reply_* failed with %s", os.strerror(errno.EINVAL))
+    assert other.levelname == "ERROR"
