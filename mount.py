@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pyfuse3
 import trio
+
 from tierfs.backends.volume_set import VolumeSet
 from tierfs.fs.blockio import BlockIO
 from tierfs.fs.errors import FsError, UsageError

@@ -25,6 +25,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
 from tierfs.backends import meta
 from tierfs.backends.replica import Replica
 from tierfs.backends.storage_types import StorageType
