@@ -297,6 +297,34 @@ def test_readdir_resumes_correctly_while_entries_come_and_go(fs, readdir_buffer)
     assert len(seen) == len(set(seen))
 
 
+def test_one_listing_whose_replies_hold_ever_different_numbers_of_entries(fs, monkeypatch):
+    """One open directory read by requests whose reply buffers hold 1, 60, 3, 25, ... entries
+    (names of very different lengths do that to the kernel's buffer): the namespace is read
+    in batches sized by the last reply, and every entry still comes exactly once, in order."""
+    d = fs.mkdir(b"d")
+    names = [b"n%04d" % i + b"x" * (i % 200) for i in range(300)]
+    for name in names:
+        fs.call(fs.ops.mknod, d, name, stat.S_IFREG | 0o644, 0, fs.ctx)
+    capacities = [1, 60, 3, 25, 2, 90, 7, 40, 1, 1, 20]
+    fh = fs.call(fs.ops.opendir, d, fs.ctx)
+    seen: list[bytes] = []
+    offset, step = 0, 0
+    try:
+        while True:
+            buffer = ReaddirCollector(capacities[step % len(capacities)])
+            monkeypatch.setattr(pyfuse3, "readdir_reply", buffer)
+            fs.call(fs.ops.readdir, fh, offset, buffer)
+            if not buffer.entries:
+                break
+            seen += [n for n, _, _ in buffer.entries]
+            offset = buffer.entries[-1][2]
+            step += 1
+    finally:
+        fs.call(fs.ops.releasedir, fh)
+    assert seen == [b".", b".."] + sorted(names, key=names.index)
+    assert step > len(capacities)  # every capacity was used, some twice
+
+
 # --- purge of unlinked inodes -----------------------------------------------------------------
 
 @pytest.mark.parametrize("order", ["release-then-forget", "forget-then-release"])
