@@ -72,16 +72,6 @@ class Handle:
     writer: bool
 
 
-@dataclass(eq=False)
-class DirHandle:
-    """An open directory. ``batch`` is how many entries the next request reads from the
-    namespace: one more than the last reply held (names in one directory tend to be alike),
-    so little is read only to be thrown away; a reply that takes more reads again."""
-
-    ino: int
-    batch: int = READDIR_BATCH
-
-
 class Operations(pyfuse3.Operations):
     """tierfs as seen by the kernel."""
 
@@ -97,7 +87,7 @@ class Operations(pyfuse3.Operations):
         self.statfs_source = statfs_source
         self.lookups: dict[int, int] = {ROOT_INO: 1}
         self.handles: dict[int, Handle] = {}
-        self.dir_handles: dict[int, DirHandle] = {}
+        self.dir_handles: dict[int, int] = {}
         self._next_fh = 1
         self.initialized = trio.Event()
         self.nursery: trio.Nursery | None = None  # background work, set by the mount
@@ -414,14 +404,13 @@ class Operations(pyfuse3.Operations):
         if not stat.S_ISDIR(self.ns.get_inode(inode).mode):
             raise FsError(errno.ENOTDIR, "not a directory")
         fh = self._fh()
-        self.dir_handles[fh] = DirHandle(inode)
+        self.dir_handles[fh] = inode
         return fh
 
     @handler
     async def readdir(self, fh, start_id, token):
         """Offsets: 1 is ".", 2 is "..", then each entry's stable cookie."""
-        handle = self.dir_handles[fh]
-        ino = handle.ino
+        ino = self.dir_handles[fh]
         if start_id < 1:
             if not pyfuse3.readdir_reply(token, b".", self._entry(self.ns.get_inode(ino)), 1):
                 return
@@ -430,21 +419,16 @@ class Operations(pyfuse3.Operations):
             if not pyfuse3.readdir_reply(token, b"..", self._entry(parent), 2):
                 return
         after = max(start_id, 2)
-        replied = max(0, 2 - start_id)  # the dots take room in the reply too
-        try:
-            while True:
-                batch = self.ns.readdir(ino, after, handle.batch)
-                for entry, inode in batch:
-                    if not pyfuse3.readdir_reply(token, entry.name, self._entry(inode),
-                                                 entry.cookie):
-                        return
-                    self.lookups[inode.ino] = self.lookups.get(inode.ino, 0) + 1
-                    after = entry.cookie
-                    replied += 1
-                if len(batch) < handle.batch:
+        while True:
+            batch = self.ns.readdir(ino, after, READDIR_BATCH)
+            for entry, inode in batch:
+                if not pyfuse3.readdir_reply(token, entry.name, self._entry(inode),
+                                             entry.cookie):
                     return
-        finally:
-            handle.batch = max(replied + 1, 2)
+                self.lookups[inode.ino] = self.lookups.get(inode.ino, 0) + 1
+                after = entry.cookie
+            if len(batch) < READDIR_BATCH:
+                return
 
     @handler
     async def releasedir(self, fh):
