@@ -425,6 +425,7 @@ class Replica:
         state.charged += (new_length - state.length) + (meta_length - state.meta_size)
         state.length = new_length
         state.meta_size = meta_length
+        state.written_behind = min(state.written_behind, new_length)
 
     def _cut_chunk_crc(self, index: int, keep: int, length: int) -> int:
         """CRC of the first ``keep`` bytes of chunk ``index``, after checking the chunk.

@@ -912,3 +912,22 @@ def test_long_sequential_write_is_written_out_behind_the_writer(volume, tmp_path
         # the kernel's own flusher picking up part of the control meanwhile.
         assert dirty_pages(volume.data_path(BLOCK), behind) < control_dirty / 4
         assert replica.read(behind - len(piece), 2 * len(piece)) == piece * 2
+
+
+def test_writes_after_a_truncate_are_written_behind_again(volume):
+    """A replica cut short and written again: the bytes behind the writer are handed to the
+    disk again (the mark of what was written out follows the cut)."""
+    from tierfs.backends.replica import SYNC_BEHIND_BYTES
+
+    piece = os.urandom(1 << 20)
+    with volume.create_replica(BLOCK, GS, 4096) as replica:
+        for offset in range(0, 2 * SYNC_BEHIND_BYTES, len(piece)):
+            replica.write(offset, piece)
+        replica.truncate(0)
+        total = SYNC_BEHIND_BYTES + len(piece)
+        for offset in range(0, total, len(piece)):
+            replica.write(offset, piece)
+        pages = SYNC_BEHIND_BYTES // 4096
+        assert dirty_pages(volume.data_path(BLOCK), SYNC_BEHIND_BYTES) < pages / 4
+        assert replica.read(0, len(piece)) == piece
+
