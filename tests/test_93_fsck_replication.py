@@ -7,7 +7,7 @@ HOT, ONE_SSD and LAZY_PERSIST files, and a HOT file whose directory was then set
 (mis-placed for good: there is no ARCHIVE volume to move it to). Each test changes a private
 copy while it is unmounted: replica files deleted, replicas dropped from or added to the
 namespace through its own API, as a failed disk or an earlier copy would leave them. The
-documented rules checked here (``tools/fsck.py``): under-, over-replicated and mis-placed
+documented rules checked here (``tools/fsck/``): under-, over-replicated and mis-placed
 blocks leave the filesystem HEALTHY (exit 0, as HDFS's fsck), ``--repair`` re-replicates
 onto the volumes ``choose_volumes`` picks and removes excess replicas, and exits 1 only when
 problems that made the filesystem CORRUPT were found.
