@@ -130,14 +130,12 @@ from tierfs.tools.fsck.repair import _Repairer
 from tierfs.tools.fsck.replicas import SCAN_ATTEMPTS, Found, Verdict, verify_replica
 from tierfs.tools.fsck.report import FsckReport, RepairReport
 
-# Kept importable from here, as when fsck was one module.
-from tierfs.tools.fsck.check import ORPHAN_GRACE, _REPLICA_KINDS, _newest_ctime  # noqa: F401
-from tierfs.tools.fsck.repair import (_ORDER, LOST_FOUND, _added, _priority,  # noqa: F401
-                                      _Rows, _Unchanged, _unlink)
-from tierfs.tools.fsck.replicas import (VERIFY_SPAN, ReplicaState,  # noqa: F401
-                                        _bad_chunks, _scan_volume_once, scan_volume)
-from tierfs.tools.fsck.report import Problem, Stats, _percent  # noqa: F401
-from tierfs.tools.fsck.snapshot import Snapshot, _ranges, _show  # noqa: F401
+# The public names of fsck's parts, importable from here as when fsck was one module.
+from tierfs.tools.fsck.check import ORPHAN_GRACE  # noqa: F401
+from tierfs.tools.fsck.repair import LOST_FOUND  # noqa: F401
+from tierfs.tools.fsck.replicas import VERIFY_SPAN, ReplicaState, scan_volume  # noqa: F401
+from tierfs.tools.fsck.report import Problem, Stats  # noqa: F401
+from tierfs.tools.fsck.snapshot import Snapshot  # noqa: F401
 
 MAX_REPAIR_PASSES = 5
 

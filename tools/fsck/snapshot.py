@@ -182,8 +182,9 @@ def _show(name: bytes) -> str:
 def _ranges(numbers: list[int]) -> str:
     """``0, 3-5, 9`` for [0, 3, 4, 5, 9]."""
     out: list[str] = []
+    start = end = None
     for n in sorted(numbers):
-        if out and n == end + 1:
+        if end is not None and n == end + 1:
             end = n
             out[-1] = f"{start}-{end}"
             continue
