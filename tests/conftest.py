@@ -103,6 +103,17 @@ class Mount:
                 if " ERROR" in line or "Traceback" in line]
 
 
+def pread_all(fd: int, size: int, offset: int) -> bytes:
+    """``size`` bytes at ``offset``, or fewer only at end of file (pread may return less)."""
+    out = bytearray()
+    while len(out) < size:
+        piece = os.pread(fd, size - len(out), offset + len(out))
+        if not piece:
+            break
+        out += piece
+    return bytes(out)
+
+
 def assert_fsck_clean(data: Path) -> None:
     result = run_tool("fsck", str(data), check=False)
     assert result.returncode == 0, f"fsck found problems:\n{result.stdout}\n{result.stderr}"

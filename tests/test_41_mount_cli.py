@@ -14,7 +14,6 @@ import errno
 import fcntl
 import json
 import os
-import shutil
 import signal
 import subprocess
 import time

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import pread_all
+
 BLOCK = 64 * 1024
 CHUNK = 4096
 PAGE = mmap.PAGESIZE
@@ -53,16 +55,6 @@ def write_file(path, data: bytes = b"") -> None:
 def read_file(path) -> bytes:
     with open(path, "rb") as f:
         return f.read()
-
-
-def pread_all(fd: int, size: int, offset: int) -> bytes:
-    out = bytearray()
-    while len(out) < size:
-        piece = os.pread(fd, size - len(out), offset + len(out))
-        if not piece:
-            break
-        out += piece
-    return bytes(out)
 
 
 def direct_read(path, size: int, offset: int = 0) -> bytes:

@@ -28,6 +28,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from tests.conftest import pread_all
+
 BLOCK = 64 * 1024
 CHUNK = 4096
 PAGE = mmap.PAGESIZE
@@ -90,12 +92,7 @@ class FsxFile:
     def read(self, offset: int, length: int, fd: int | None = None, what: str = "read") -> None:
         self._note(f"{what} {offset} +{length}")
         fd = self.fd if fd is None else fd
-        got = bytearray()
-        while len(got) < length:
-            piece = os.pread(fd, length - len(got), offset + len(got))
-            if not piece:
-                break
-            got += piece
+        got = pread_all(fd, length, offset)
         want = bytes(self.model[offset:offset + length])
         if got != want:
             self._fail(what, offset, bytes(got), want)

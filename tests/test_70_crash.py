@@ -175,22 +175,29 @@ def read_journal(state: Path) -> list[dict]:
 # --- writes, appends, overwrites, fsync -----------------------------------------------------
 
 
+ACK_JOURNAL = r"""
+os.makedirs(state, exist_ok=True)
+journal = open(os.path.join(state, "journal"), "a", buffering=1)
+def log(**rec):
+    journal.write(json.dumps(rec) + "\n")
+    journal.flush()
+def save(name, content):  # STATE/name, replaced atomically: an acknowledged version
+    tmp = os.path.join(state, name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(content)
+    os.replace(tmp, os.path.join(state, name))
+"""
+"""What every helper below keeps OUTSIDE the mount (needs ``json``, ``os`` and ``state``):
+a journal of what it is about to do and what was acknowledged, and ``save``."""
+
+
 WRITER = r"""
 import errno, json, os, random, sys
 mnt, state, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
 NFILES, CAP = 4, 3 << 20
 SIZES = [1, 100, 511, 4095, 4097, 65536, 70001, 300000, 1 << 20]
 rng = random.Random(seed)
-os.makedirs(state, exist_ok=True)
-journal = open(os.path.join(state, "journal"), "a", buffering=1)
-def log(**rec):
-    journal.write(json.dumps(rec) + "\n")
-    journal.flush()
-def save(name, content):
-    tmp = os.path.join(state, name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(content)
-    os.replace(tmp, os.path.join(state, name + ".synced"))
+""" + ACK_JOURNAL + r"""
 def payload(step, n):
     return random.Random(f"{seed}:{step}").randbytes(n)
 # Everything is opened relative to the mount's root directory, never by path: after the
@@ -200,7 +207,7 @@ models, fds = {}, {}
 for name in sorted(os.listdir(root)):  # the baseline: what earlier rounds left (verified)
     with open(name, "rb", opener=lambda n, flags: os.open(n, flags, dir_fd=root)) as f:
         models[name] = bytearray(f.read())
-    save(name, bytes(models[name]))
+    save(name + ".synced", bytes(models[name]))
     log(op="synced", file=name, size=len(models[name]))
 print("ready", flush=True)
 step = 0
@@ -231,11 +238,11 @@ try:
         r = rng.random()
         if r < 0.25:
             (os.fdatasync if r < 0.05 else os.fsync)(fd)
-            save(name, bytes(model))
+            save(name + ".synced", bytes(model))
             log(op="synced", file=name, size=len(model))
         elif r < 0.30:                      # close: the daemon has the data and the size
             os.close(fds.pop(name))
-            save(name, bytes(model))
+            save(name + ".synced", bytes(model))
             log(op="synced", file=name, size=len(model))
 except OSError as exc:
     log(op="error", errno=exc.errno)
@@ -295,16 +302,7 @@ TRUNCATOR = r"""
 import json, os, random, sys
 path, state, seed, bs = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 rng = random.Random(seed)
-os.makedirs(state, exist_ok=True)
-journal = open(os.path.join(state, "journal"), "a", buffering=1)
-def log(**rec):
-    journal.write(json.dumps(rec) + "\n")
-    journal.flush()
-def save(content):
-    tmp = os.path.join(state, "done.tmp")
-    with open(tmp, "wb") as f:
-        f.write(content)
-    os.replace(tmp, os.path.join(state, "done.bin"))
+""" + ACK_JOURNAL + r"""
 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
 with open(path, "rb") as f:
     model = bytearray(f.read())
@@ -312,7 +310,7 @@ if not model:
     model = bytearray(random.Random(seed).randbytes(5 * bs + bs // 2 + 7))
     os.pwrite(fd, model, 0)
 os.fsync(fd)
-save(bytes(model))
+save("done.bin", bytes(model))
 log(op="done", k=0)
 print("ready", flush=True)
 k = 0
@@ -336,7 +334,7 @@ try:
             model += bytes(max(0, off + n - len(model)))
             model[off:off + n] = data
         os.fsync(fd)
-        save(bytes(model))
+        save("done.bin", bytes(model))
         log(op="done", k=k)
 except OSError as exc:
     log(op="error", errno=exc.errno)
@@ -386,11 +384,7 @@ CREATOR = r"""
 import json, os, random, sys
 root, state, seed = sys.argv[1], sys.argv[2], int(sys.argv[3])
 rng = random.Random(seed)
-os.makedirs(state, exist_ok=True)
-journal = open(os.path.join(state, "journal"), "a", buffering=1)
-def log(**rec):
-    journal.write(json.dumps(rec) + "\n")
-    journal.flush()
+""" + ACK_JOURNAL + r"""
 top = os.open(root, os.O_RDONLY | os.O_DIRECTORY)  # never by path (see WRITER)
 for d in range(5):
     if "d%d" % d not in os.listdir(top):

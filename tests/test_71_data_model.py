@@ -40,7 +40,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, invariant, rule,
                                  run_state_machine_as_test)
 
-from tests.conftest import Mount, run_tool
+from tests.conftest import Mount, pread_all, run_tool
 
 BLOCK = 64 * 1024
 CHUNK = 4096
@@ -186,16 +186,6 @@ def check_volumes_agree(data: Path, replication: int) -> None:
         first = per_volume[volumes[0]]
         for vol in volumes[1:]:
             assert per_volume[vol] == first, f"{vol} differs from {volumes[0]}"
-
-
-def pread_all(fd: int, size: int, offset: int) -> bytes:
-    out = bytearray()
-    while len(out) < size:
-        piece = os.pread(fd, size - len(out), offset + len(out))
-        if not piece:
-            break
-        out += piece
-    return bytes(out)
 
 
 def write_all(fd: int, data: bytes, offset: int | None = None) -> None:
