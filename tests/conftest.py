@@ -114,6 +114,17 @@ def pread_all(fd: int, size: int, offset: int) -> bytes:
     return bytes(out)
 
 
+def evict(path) -> None:
+    """Write a file out and drop its pages from the page cache, as if it were cold (only
+    clean pages can be dropped, hence the fsync)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def assert_fsck_clean(data: Path) -> None:
     result = run_tool("fsck", str(data), check=False)
     assert result.returncode == 0, f"fsck found problems:\n{result.stdout}\n{result.stderr}"

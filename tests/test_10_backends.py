@@ -31,6 +31,7 @@ from tierfs.backends.replica import Replica
 from tierfs.backends.storage_types import StorageType
 from tierfs.backends.volume import IDENTITY_FILE, ReplicaInfo, Volume
 from tierfs.fs.errors import ChecksumError, FsError, VolumeError
+from tests.conftest import evict
 
 FS_UUID = "6f1c9a57-0000-4000-8000-000000000001"
 BLOCK = 1 << 30  # first block id after HDFS's reserved range
@@ -876,10 +877,10 @@ class _CacheStat(ctypes.Structure):
                 ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
 
 
-def dirty_pages(path, length: int) -> int:
-    """Dirty page-cache pages of the file's first ``length`` bytes (cachestat(2), Linux 6.5)."""
+def cachestat(path, length: int, offset: int = 0) -> _CacheStat:
+    """Page-cache state of ``length`` bytes of a file at ``offset`` (cachestat(2), Linux 6.5)."""
     libc = ctypes.CDLL(None, use_errno=True)
-    span = (ctypes.c_uint64 * 2)(0, length)
+    span = (ctypes.c_uint64 * 2)(offset, length)
     stat = _CacheStat()
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -887,7 +888,12 @@ def dirty_pages(path, length: int) -> int:
             raise OSError(ctypes.get_errno(), "cachestat")
     finally:
         os.close(fd)
-    return stat.nr_dirty
+    return stat
+
+
+def dirty_pages(path, length: int) -> int:
+    """Dirty page-cache pages of the file's first ``length`` bytes."""
+    return cachestat(path, length).nr_dirty
 
 
 def test_long_sequential_write_is_written_out_behind_the_writer(volume, tmp_path):
@@ -931,3 +937,59 @@ def test_writes_after_a_truncate_are_written_behind_again(volume):
         assert dirty_pages(volume.data_path(BLOCK), SYNC_BEHIND_BYTES) < pages / 4
         assert replica.read(0, len(piece)) == piece
 
+
+
+# --- reads: page cache only, readahead ---------------------------------------------------------
+
+
+def _cold_replica(volume, data: bytes, block_id: int = BLOCK):
+    with volume.create_replica(block_id, GS, 4096) as replica:
+        replica.write(0, data)
+    for path in (volume.data_path(block_id), volume.meta_path(block_id, GS)):
+        evict(path)
+    return volume.open_replica(block_id, GS, writable=False)
+
+
+def test_nowait_read_answers_only_from_the_page_cache(volume):
+    """read(nowait=True) gives None for pages the disk would have to supply, and the
+    verified bytes once they are cached; the tail of the file counts as complete."""
+    data = os.urandom(3 * 4096 + 100)
+    with _cold_replica(volume, data) as replica:
+        assert cachestat(volume.data_path(BLOCK), len(data)).nr_cache == 0
+        assert replica.read(0, 4096, nowait=True) is None
+        assert replica.read(0, len(data)) == data  # the slow way fills the cache
+        assert bytes(replica.read(0, len(data), nowait=True)) == data
+        assert bytes(replica.read(4000, 10_000, nowait=True)) == data[4000:]
+        assert bytes(replica.read(len(data) - 50, 4096, nowait=True)) == data[-50:]
+
+
+def test_nowait_read_still_verifies_checksums(volume):
+    data = os.urandom(2 * 4096)
+    with volume.create_replica(BLOCK, GS, 4096) as replica:
+        replica.write(0, data)
+    with open(volume.data_path(BLOCK), "r+b") as f:
+        f.seek(5000)
+        f.write(b"\xff" if data[5000] != 0xFF else b"\x00")
+    with volume.open_replica(BLOCK, GS, writable=False) as replica:
+        replica.read(0, 4096)  # the good chunk, and the page cache now holds the file
+        with pytest.raises(ChecksumError):
+            replica.read(4096, 4096, nowait=True)
+
+
+def test_a_sequential_reader_has_the_data_ahead_of_it_read_early(volume):
+    """HDFS's datanode readahead: right after the first read of a cold replica, the bytes
+    well past what the kernel reads ahead by itself (at most 2 MiB after a first 1 MiB read)
+    are already in the page cache. A read far into another cold replica, not where a last
+    read ended, asks for nothing ahead of it (the control)."""
+    from tierfs.backends.replica import READ_AHEAD_BYTES
+
+    piece = 1 << 20
+    data = os.urandom(2 * READ_AHEAD_BYTES + 4 * piece)
+    offset, length = 3 * piece, READ_AHEAD_BYTES - 3 * piece  # past the kernel's readahead
+    with _cold_replica(volume, data, BLOCK + 1) as replica:
+        far = READ_AHEAD_BYTES + 2 * piece
+        assert replica.read(far, piece) == data[far : far + piece]
+        assert cachestat(volume.data_path(BLOCK + 1), length, far + offset).nr_cache == 0
+    with _cold_replica(volume, data) as replica:
+        assert replica.read(0, piece) == data[:piece]
+        assert cachestat(volume.data_path(BLOCK), length, offset).nr_cache > length // 4096 // 2

@@ -31,6 +31,7 @@ from tierfs.fs.operations import XATTR_INODE_MAX, XATTR_VALUE_MAX
 from tierfs.fs.schema import ROOT_INO
 from tierfs.tools.fsck import Fsck
 from tierfs.tools.mkfs import make_filesystem
+from tests.conftest import evict
 
 BS = 64 << 10
 BPC = 4096
@@ -661,6 +662,39 @@ def test_write_read_round_trip_across_block_boundaries(fs):
     fs.start()
     fh = fs.open(f, os.O_RDONLY)
     assert fs.read(fh, 0, 4 * BS) == payload
+    fs.release(fh)
+
+
+def test_reads_wait_for_a_disk_only_in_a_worker_thread(fs, monkeypatch):
+    """A read whose replica pages are not in the page cache goes to a worker thread (a slow
+    volume must not stall the event loop); once they are cached, the same read is served
+    in the event loop, without the thread hop. Both give the same bytes, including a
+    range that spans two blocks and a hole."""
+    hops = []
+    real_run_sync = trio.to_thread.run_sync
+
+    async def counting_run_sync(fn, *args, **kwargs):
+        hops.append(fn.__name__)
+        return await real_run_sync(fn, *args, **kwargs)
+
+    monkeypatch.setattr(trio.to_thread, "run_sync", counting_run_sync)
+    fh, f = fs.create(b"f")
+    payload = os.urandom(2 * BS + 100)
+    fs.write(fh, 0, payload)
+    fs.write(fh, 4 * BS, b"end")  # blocks 2.. hold a hole before it
+    fs.release(fh)
+    expected = payload + bytes(2 * BS - 100) + b"end"
+    for path in fs.data.rglob("blk_*"):
+        if path.is_file() and "namespace" not in path.parts:
+            evict(path)
+    fh = fs.open(f, os.O_RDONLY)
+    hops.clear()
+    assert fs.read(fh, 0, len(expected)) == expected
+    assert hops == ["_execute_read"]
+    hops.clear()
+    assert fs.read(fh, 0, len(expected)) == expected
+    assert fs.read(fh, BS - 10, 20) == payload[BS - 10:BS + 10]
+    assert hops == []
     fs.release(fh)
 
 
