@@ -109,6 +109,9 @@ class Namespace:
                    for name in schema.DATABASES}
         self.config = self._load_config()
         self._reserved: dict[str, list[int]] = {"next_block_id": [0, 0], "gs": [0, 0]}
+        # Mutations committed through this object. A mount is the only writer (the mount
+        # lock keeps repairs out), so an unchanged count means an unchanged namespace.
+        self.commits = 0
 
     # --- opening ------------------------------------------------------------------------
 
@@ -205,6 +208,7 @@ class Namespace:
                 result = body(w)
                 txn.put(u64(txid), schema.journal_record(op, w.args), db=self.db["journal"])
                 txn.commit()
+                self.commits += 1
             except lmdb.MapFullError:
                 txn.abort()
                 self._grow_map()

@@ -24,7 +24,7 @@ import logging
 import os
 import stat
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyfuse3
 import trio
@@ -43,7 +43,7 @@ XATTR_VALUE_MAX = 65536        # Linux XATTR_SIZE_MAX
 XATTR_LIST_MAX = 65536         # Linux XATTR_LIST_MAX
 XATTR_INODE_MAX = 256 * 1024   # names + values stored per inode; beyond it ENOSPC
 XATTR_NAMESPACES = (b"user.", b"trusted.", b"security.")
-READDIR_BATCH = 32  # a readdirplus reply holds ~25 entries: read little more than that
+READDIR_BATCH = 64  # entries read from the namespace at a time; a reply holds about 25
 
 
 def handler(fn):
@@ -72,6 +72,23 @@ class Handle:
     writer: bool
 
 
+@dataclass(eq=False)
+class DirHandle:
+    """An open directory, and the entries read for the last reply that did not fit in it.
+
+    A readdirplus reply holds only about 25 entries, so most batches read from the
+    namespace have some left over; the next request, which continues where the last reply
+    ended, starts with them instead of reading them again. They are used only while the
+    namespace is unchanged (same commit count), so they are never staler than a fresh read.
+    """
+
+    ino: int
+    left_over: list = field(default_factory=list)
+    left_over_after: int = -1  # the cookie the left-over entries follow
+    left_over_commits: int = -1  # Namespace.commits when they were read
+    left_over_reach_end: bool = False  # no entries follow them in the directory
+
+
 class Operations(pyfuse3.Operations):
     """tierfs as seen by the kernel."""
 
@@ -87,7 +104,7 @@ class Operations(pyfuse3.Operations):
         self.statfs_source = statfs_source
         self.lookups: dict[int, int] = {ROOT_INO: 1}
         self.handles: dict[int, Handle] = {}
-        self.dir_handles: dict[int, int] = {}
+        self.dir_handles: dict[int, DirHandle] = {}
         self._next_fh = 1
         self.initialized = trio.Event()
         self.nursery: trio.Nursery | None = None  # background work, set by the mount
@@ -404,13 +421,14 @@ class Operations(pyfuse3.Operations):
         if not stat.S_ISDIR(self.ns.get_inode(inode).mode):
             raise FsError(errno.ENOTDIR, "not a directory")
         fh = self._fh()
-        self.dir_handles[fh] = inode
+        self.dir_handles[fh] = DirHandle(inode)
         return fh
 
     @handler
     async def readdir(self, fh, start_id, token):
         """Offsets: 1 is ".", 2 is "..", then each entry's stable cookie."""
-        ino = self.dir_handles[fh]
+        handle = self.dir_handles[fh]
+        ino = handle.ino
         if start_id < 1:
             if not pyfuse3.readdir_reply(token, b".", self._entry(self.ns.get_inode(ino)), 1):
                 return
@@ -419,16 +437,32 @@ class Operations(pyfuse3.Operations):
             if not pyfuse3.readdir_reply(token, b"..", self._entry(parent), 2):
                 return
         after = max(start_id, 2)
+        batch, reaches_end = self._left_over(handle, after)
         while True:
-            batch = self.ns.readdir(ino, after, READDIR_BATCH)
-            for entry, inode in batch:
+            for i, (entry, inode) in enumerate(batch):
                 if not pyfuse3.readdir_reply(token, entry.name, self._entry(inode),
                                              entry.cookie):
+                    handle.left_over = batch[i:]
+                    handle.left_over_after = after
+                    handle.left_over_commits = self.ns.commits
+                    handle.left_over_reach_end = reaches_end
                     return
                 self.lookups[inode.ino] = self.lookups.get(inode.ino, 0) + 1
                 after = entry.cookie
-            if len(batch) < READDIR_BATCH:
+            if reaches_end:
                 return
+            batch = self.ns.readdir(ino, after, READDIR_BATCH)
+            reaches_end = len(batch) < READDIR_BATCH
+
+    def _left_over(self, handle: DirHandle, after: int) -> tuple[list, bool]:
+        """The entries left over from the last reply if this request continues it and the
+        namespace has not changed since; else nothing (and not the end)."""
+        batch = handle.left_over
+        handle.left_over = []
+        if (batch and handle.left_over_after == after
+                and handle.left_over_commits == self.ns.commits):
+            return batch, handle.left_over_reach_end
+        return [], False
 
     @handler
     async def releasedir(self, fh):

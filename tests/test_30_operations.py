@@ -300,8 +300,8 @@ def test_readdir_resumes_correctly_while_entries_come_and_go(fs, readdir_buffer)
 
 def test_one_listing_whose_replies_hold_ever_different_numbers_of_entries(fs, monkeypatch):
     """One open directory read by requests whose reply buffers hold 1, 60, 3, 25, ... entries
-    (names of very different lengths do that to the kernel's buffer): the namespace is read
-    in batches sized by the last reply, and every entry still comes exactly once, in order."""
+    (names of very different lengths do that to the kernel's buffer): entries read for one
+    reply and left over start the next, and every entry still comes exactly once, in order."""
     d = fs.mkdir(b"d")
     names = [b"n%04d" % i + b"x" * (i % 200) for i in range(300)]
     for name in names:
@@ -324,6 +324,49 @@ def test_one_listing_whose_replies_hold_ever_different_numbers_of_entries(fs, mo
         fs.call(fs.ops.releasedir, fh)
     assert seen == [b".", b".."] + sorted(names, key=names.index)
     assert step > len(capacities)  # every capacity was used, some twice
+
+
+def test_left_over_entries_are_not_served_after_a_change_or_a_seek(fs, monkeypatch):
+    """The entries left over from a full reply start the next one only while nothing in the
+    namespace changed and the request continues the last reply: after a chmod and an unlink
+    the listing shows the new mode and not the removed name, and a request that goes back to
+    an earlier offset (rewinddir, seekdir) gets the entries from there."""
+    d = fs.mkdir(b"d")
+    names = [b"f%03d" % i for i in range(100)]
+    inos = {}
+    for name in names:
+        inos[name] = fs.call(fs.ops.mknod, d, name, stat.S_IFREG | 0o644, 0, fs.ctx).st_ino
+
+    class ModeCollector(ReaddirCollector):
+        def __call__(self, token, name, attr, next_id) -> bool:
+            accepted = super().__call__(token, name, attr, next_id)
+            if accepted:
+                self.modes = getattr(self, "modes", {}) | {bytes(name): attr.st_mode}
+            return accepted
+
+    fh = fs.call(fs.ops.opendir, d, fs.ctx)
+
+    def request(offset: int, capacity: int) -> ModeCollector:
+        buffer = ModeCollector(capacity)
+        monkeypatch.setattr(pyfuse3, "readdir_reply", buffer)
+        fs.call(fs.ops.readdir, fh, offset, buffer)
+        return buffer
+
+    try:
+        first = request(0, 5)
+        assert [n for n, _, _ in first.entries] == [b".", b"..", b"f000", b"f001", b"f002"]
+        again = request(first.entries[2][2], 3)  # back to just after f000
+        assert [n for n, _, _ in again.entries] == [b"f001", b"f002", b"f003"]
+        first = request(0, 5)
+        attr = pyfuse3.EntryAttributes()
+        attr.st_mode = stat.S_IFREG | 0o600
+        fs.call(fs.ops.setattr, inos[b"f010"], attr, Fields(update_mode=True), None, fs.ctx)
+        fs.call(fs.ops.unlink, d, b"f020", fs.ctx)
+        rest = request(first.entries[-1][2], 1000)
+        assert [n for n, _, _ in rest.entries] == [n for n in names[3:] if n != b"f020"]
+        assert stat.S_IMODE(rest.modes[b"f010"]) == 0o600
+    finally:
+        fs.call(fs.ops.releasedir, fh)
 
 
 # --- purge of unlinked inodes -----------------------------------------------------------------
