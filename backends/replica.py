@@ -620,7 +620,7 @@ def _pread_cached(fd: int, nbytes: int, offset: int) -> bytearray | None:
     buf = bytearray(nbytes)
     try:
         got = os.preadv(fd, (buf,), offset, os.RWF_NOWAIT)
-    except (BlockingIOError, InterruptedError):
+    except BlockingIOError:  # EAGAIN: nothing of it is cached
         return None
     except OSError as e:
         if e.errno == errno.EOPNOTSUPP:
