@@ -98,9 +98,31 @@ def run_workloads(workloads: list[Workload], sides: list[tuple[Workspace, Tierfs
             if mount is not None:
                 mount.check()
                 on_stall = mount.kill
+            before = cpu_ticks()
             with progress.task(f"{workspace.label} {workload.name}", on_stall):
                 outcome = run_one(workload, workspace)
-            record(results, workload, workspace.label, outcome)
+            record(results, workload, workspace.label, outcome, stolen_share(before))
+
+
+def cpu_ticks() -> tuple[int, int] | None:
+    """(stolen, total) CPU ticks of the machine so far, from /proc/stat; None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return fields[7], sum(fields)
+
+
+def stolen_share(before: tuple[int, int] | None) -> float | None:
+    """Share of the CPU time since ``before`` that the hypervisor gave to other guests.
+
+    On a shared VM this is what makes two runs of the same code differ most: a workload that
+    ran while a third of the CPU was stolen says little about tierfs."""
+    after = cpu_ticks()
+    if before is None or after is None or after[1] == before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 def run_one(workload: Workload, workspace: Workspace) -> list[Figure] | Missing:
@@ -118,8 +140,9 @@ def run_one(workload: Workload, workspace: Workspace) -> list[Figure] | Missing:
 
 
 def record(results: Results, workload: Workload, label: str,
-           outcome: list[Figure] | Missing) -> None:
+           outcome: list[Figure] | Missing, stolen: float | None = None) -> None:
     """Adds the outcome to the results and prints it at once, one line per figure."""
+    steal = "" if stolen is None else f", {stolen:.0%} CPU stolen"
     if isinstance(outcome, Missing):
         for name in workload.figures:
             results.add(label, name, outcome)
@@ -128,7 +151,7 @@ def record(results: Results, workload: Workload, label: str,
     for figure in outcome:
         results.add(label, figure.name, figure)
         print(f"{label:<8} {figure.name:<18} {format_number(figure.value):>12} "
-              f"{figure.unit:<9} ({format_seconds(figure.seconds)})", flush=True)
+              f"{figure.unit:<9} ({format_seconds(figure.seconds)}{steal})", flush=True)
 
 
 # -- the two modes --------------------------------------------------------------------------

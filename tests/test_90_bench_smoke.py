@@ -39,6 +39,9 @@ def test_quick_run_on_a_plain_directory_reports_every_workload(tmp_path):
         capture_output=True, text=True, timeout=50)
     assert done.returncode == 0, done.stdout + done.stderr
 
+    # each workload's line says how much CPU the hypervisor took meanwhile (/proc/stat)
+    assert re.search(r"^dir\s+seq_write\s+.*\(.*, \d+% CPU stolen\)$", done.stdout, re.MULTILINE), \
+        done.stdout
     table = done.stdout.split("\n\n")[-1]
     optional = NOT_ON_PLAIN_DIRS | (NEEDS_ROOT if os.geteuid() != 0 else set())
     for name in FIGURES + sorted(NOT_ON_PLAIN_DIRS):
