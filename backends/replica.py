@@ -112,7 +112,7 @@ class _BlockState:
         self.tail_crc: int | None = None
         self.charged = 0
         self.written_behind = 0  # data bytes before this offset are already being written out
-        self.read_end = 0  # where the last read ended: a read starting near it is sequential
+        self.read_end = 0  # where the last read that returned data ended
         self.read_ahead_to = 0  # data bytes before this offset were asked for in advance
 
 
@@ -173,8 +173,10 @@ class Replica:
 
         The chunk-aligned range around the request is read with one ``pread`` and its CRCs
         with another; a mismatch raises ChecksumError naming the volume, block and chunk.
-        With ``nowait``, None instead of waiting for the disk when any of it is not in the
-        page cache; the data then comes as a bytes-like object rather than bytes.
+        With ``nowait`` (the daemon's event loop), None whenever the read could wait: its
+        pages are not all in the page cache, another thread holds the block's lock (and may
+        be waiting for the disk under it), or a readahead hint is due. The data then comes as
+        a bytes-like object rather than bytes.
         """
         if self._closed:
             self._refuse("read")
@@ -182,7 +184,9 @@ class Replica:
             raise ValueError(f"negative offset or size ({offset}, {size})")
         bpc = self.bytes_per_checksum
         state = self._state
-        state.lock.acquire()
+        if not state.lock.acquire(blocking=not nowait):
+            return None
+        ahead = None
         try:
             length = state.length
             if offset >= length or size == 0:
@@ -196,9 +200,10 @@ class Replica:
             stop = last * bpc + bpc
             if stop > length:
                 stop = length
-            self._read_ahead(state, start, stop)
             meta_offset = HEADER_SIZE + CRC_SIZE * first
             if nowait:
+                if _read_ahead_due(state, start, stop):
+                    return None
                 buf = _pread_cached(self._data_fd, stop - start, start)
                 if buf is None:
                     return None
@@ -208,10 +213,13 @@ class Replica:
             else:
                 buf = os.pread(self._data_fd, stop - start, start)
                 stored = os.pread(self._meta_fd, (last - first + 1) * CRC_SIZE, meta_offset)
+            ahead = _advance_read_ahead(state, start, stop)
         except OSError as e:
             raise self._os_error("read", e) from e
         finally:
             state.lock.release()
+        if ahead is not None:
+            _hint_will_need(self._data_fd, *ahead)
         if len(buf) != stop - start:
             raise self._damaged(f"data file is shorter than {stop} bytes")
         computed = CRC_STRUCT.pack(crc32c(buf)) if first == last else chunk_crcs(buf, bpc)
@@ -222,22 +230,6 @@ class Replica:
         if nowait:
             return memoryview(buf)[offset - start : end - start]
         return buf[offset - start : end - start]
-
-    def _read_ahead(self, state: _BlockState, start: int, stop: int) -> None:
-        """Ask for the next READ_AHEAD_BYTES of a sequential reader early (under the lock).
-
-        A read that starts within READ_AHEAD_BYTES of where the last one ended counts as
-        sequential (the kernel's readahead requests may arrive slightly out of order); the
-        next window is asked for once the reader is half-way through the last one. Random
-        reads ask for nothing. Only a hint: the reads themselves report any failure.
-        """
-        sequential = abs(start - state.read_end) <= READ_AHEAD_BYTES
-        state.read_end = stop
-        if sequential and stop + READ_AHEAD_BYTES // 2 > state.read_ahead_to:
-            begin = max(stop, state.read_ahead_to)
-            state.read_ahead_to = stop + READ_AHEAD_BYTES
-            os.posix_fadvise(self._data_fd, begin, state.read_ahead_to - begin,
-                             os.POSIX_FADV_WILLNEED)
 
     def verified_length(self) -> int:
         """Length of the longest prefix of the data whose chunks verify (crash recovery).
@@ -469,6 +461,8 @@ class Replica:
         state.length = new_length
         state.meta_size = meta_length
         state.written_behind = min(state.written_behind, new_length)
+        state.read_end = min(state.read_end, new_length)
+        state.read_ahead_to = min(state.read_ahead_to, new_length)
 
     def _cut_chunk_crc(self, index: int, keep: int, length: int) -> int:
         """CRC of the first ``keep`` bytes of chunk ``index``, after checking the chunk.
@@ -613,10 +607,45 @@ class Replica:
         raise ValueError(f"cannot {action} {self._where()}: replica is {why}")
 
 
+def _read_ahead_due(state: _BlockState, start: int, stop: int) -> bool:
+    """Whether a read of [start, stop) should ask for the next READ_AHEAD_BYTES early.
+
+    A read that starts within READ_AHEAD_BYTES of where the last one ended is sequential
+    (the kernel's readahead requests may arrive slightly out of order, and a reader starting
+    at the beginning of a block is one too); the next window is due once the reader is
+    half-way through the last one. Random reads ask for nothing.
+    """
+    return (abs(start - state.read_end) <= READ_AHEAD_BYTES
+            and stop + READ_AHEAD_BYTES // 2 > state.read_ahead_to)
+
+
+def _advance_read_ahead(state: _BlockState, start: int, stop: int) -> tuple[int, int] | None:
+    """Record a read that returned data (under the lock); (offset, length) to ask for early
+    when a readahead is due, else None. Only reads that return data move the state, so a
+    read tried from the page cache first and then from the disk counts once."""
+    due = _read_ahead_due(state, start, stop)
+    state.read_end = stop
+    if not due:
+        return None
+    begin = max(stop, state.read_ahead_to)
+    state.read_ahead_to = stop + READ_AHEAD_BYTES
+    return begin, state.read_ahead_to - begin
+
+
+def _hint_will_need(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start reading a range into the page cache (POSIX_FADV_WILLNEED),
+    outside the block's lock. Only a hint: a failure here is for the reads to report."""
+    try:
+        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass
+
+
 def _pread_cached(fd: int, nbytes: int, offset: int) -> bytearray | None:
-    """``nbytes`` at ``offset`` if the page cache holds all of them (fewer only at the end of
-    the file), else None: ``preadv2(RWF_NOWAIT)`` never waits for the disk. A filesystem
-    that cannot do it (EOPNOTSUPP) answers None too, and the caller reads the slow way."""
+    """``nbytes`` at ``offset`` if the page cache holds all of them, else None:
+    ``preadv2(RWF_NOWAIT)`` does not wait for the disk. A filesystem that cannot do it
+    (EOPNOTSUPP) answers None too, and so does a short read (a partly cached range, or a
+    damaged, short file): the caller then reads the slow way, which tells them apart."""
     buf = bytearray(nbytes)
     try:
         got = os.preadv(fd, (buf,), offset, os.RWF_NOWAIT)
@@ -626,12 +655,7 @@ def _pread_cached(fd: int, nbytes: int, offset: int) -> bytearray | None:
         if e.errno == errno.EOPNOTSUPP:
             return None
         raise
-    if got < nbytes:
-        if got and os.fstat(fd).st_size == offset + got:
-            del buf[got:]  # the end of the file, not a partly cached range
-            return buf
-        return None
-    return buf
+    return buf if got == nbytes else None
 
 
 def _start_writeback(fd: int, offset: int, nbytes: int) -> None:

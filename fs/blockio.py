@@ -230,13 +230,14 @@ class BlockIO:
 
     # --- read ----------------------------------------------------------------------------------
 
-    async def read(self, of: OpenFile, offset: int, size: int) -> bytes:
-        """Verified data; holes and the unwritten tail of a block read as zeros.
+    async def read(self, of: OpenFile, offset: int, size: int):
+        """Verified data (bytes-like); holes and the unwritten tail of a block read as zeros.
 
         The plan (which replicas, which ranges) is made here in the trio thread. A read the
-        page cache can serve runs right here; only one that would wait for a disk goes to a
-        worker thread, so a slow volume never stalls the event loop and a cached read never
-        pays for a thread hop (measured: README, "Speed").
+        page cache can serve runs right here; one that would wait (for a disk, for the lock
+        of a block another thread is reading, or to ask for readahead) goes to a worker
+        thread, so a cached read pays for no thread hop and a disk read does not hold up
+        other requests (measured: README, "Speed").
         """
         for attempt in (1, 2):
             plan = self._plan_read(of, offset, size)

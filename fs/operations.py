@@ -85,7 +85,7 @@ class DirHandle:
     ino: int
     left_over: list = field(default_factory=list)
     left_over_after: int = -1  # the cookie the left-over entries follow
-    left_over_commits: int = -1  # Namespace.commits when they were read
+    left_over_commits: int = -1  # Namespace.commits when they were read from it
     left_over_reach_end: bool = False  # no entries follow them in the directory
 
 
@@ -437,32 +437,34 @@ class Operations(pyfuse3.Operations):
             if not pyfuse3.readdir_reply(token, b"..", self._entry(parent), 2):
                 return
         after = max(start_id, 2)
-        batch, reaches_end = self._left_over(handle, after)
+        batch, reaches_end, read_at = self._left_over(handle, after)
         while True:
             for i, (entry, inode) in enumerate(batch):
                 if not pyfuse3.readdir_reply(token, entry.name, self._entry(inode),
                                              entry.cookie):
                     handle.left_over = batch[i:]
                     handle.left_over_after = after
-                    handle.left_over_commits = self.ns.commits
+                    handle.left_over_commits = read_at
                     handle.left_over_reach_end = reaches_end
                     return
                 self.lookups[inode.ino] = self.lookups.get(inode.ino, 0) + 1
                 after = entry.cookie
             if reaches_end:
                 return
+            read_at = self.ns.commits
             batch = self.ns.readdir(ino, after, READDIR_BATCH)
             reaches_end = len(batch) < READDIR_BATCH
 
-    def _left_over(self, handle: DirHandle, after: int) -> tuple[list, bool]:
+    def _left_over(self, handle: DirHandle, after: int) -> tuple[list, bool, int]:
         """The entries left over from the last reply if this request continues it and the
-        namespace has not changed since; else nothing (and not the end)."""
+        namespace has not changed since they were read; else nothing (and not the end).
+        Also the namespace's commit count when they were read."""
         batch = handle.left_over
         handle.left_over = []
         if (batch and handle.left_over_after == after
                 and handle.left_over_commits == self.ns.commits):
-            return batch, handle.left_over_reach_end
-        return [], False
+            return batch, handle.left_over_reach_end, handle.left_over_commits
+        return [], False, self.ns.commits
 
     @handler
     async def releasedir(self, fh):

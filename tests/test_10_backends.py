@@ -952,7 +952,7 @@ def _cold_replica(volume, data: bytes, block_id: int = BLOCK):
 
 def test_nowait_read_answers_only_from_the_page_cache(volume):
     """read(nowait=True) gives None for pages the disk would have to supply, and the
-    verified bytes once they are cached; the tail of the file counts as complete."""
+    verified bytes once they are cached; a read near the end of the data is clamped to it."""
     data = os.urandom(3 * 4096 + 100)
     with _cold_replica(volume, data) as replica:
         assert cachestat(volume.data_path(BLOCK), len(data)).nr_cache == 0
@@ -961,6 +961,18 @@ def test_nowait_read_answers_only_from_the_page_cache(volume):
         assert bytes(replica.read(0, len(data), nowait=True)) == data
         assert bytes(replica.read(4000, 10_000, nowait=True)) == data[4000:]
         assert bytes(replica.read(len(data) - 50, 4096, nowait=True)) == data[-50:]
+
+
+def test_nowait_read_does_not_wait_for_the_blocks_lock(volume):
+    """Another thread holding the block's lock may be waiting for the disk under it: the
+    event loop's read gives up at once rather than wait behind it."""
+    data = os.urandom(4096)
+    with volume.create_replica(BLOCK, GS, 4096) as replica:
+        replica.write(0, data)
+        assert replica.read(0, 4096) == data  # cached, and no readahead due any more
+        with replica._state.lock:  # what a reader in a worker thread holds during its pread
+            assert replica.read(0, 4096, nowait=True) is None
+        assert bytes(replica.read(0, 4096, nowait=True)) == data
 
 
 def test_nowait_read_still_verifies_checksums(volume):
@@ -976,20 +988,39 @@ def test_nowait_read_still_verifies_checksums(volume):
             replica.read(4096, 4096, nowait=True)
 
 
+# After a first 1 MiB read the kernel itself has read ahead at most four times that (its
+# initial window), whatever the disk's read_ahead_kb; the checks look past it.
+_PAST_KERNEL = (5 << 20, 4 << 20)  # (offset from the read, length)
+
+
 def test_a_sequential_reader_has_the_data_ahead_of_it_read_early(volume):
     """HDFS's datanode readahead: right after the first read of a cold replica, the bytes
-    well past what the kernel reads ahead by itself (at most 2 MiB after a first 1 MiB read)
-    are already in the page cache. A read far into another cold replica, not where a last
-    read ended, asks for nothing ahead of it (the control)."""
+    past what the kernel reads ahead by itself are already in the page cache."""
     from tierfs.backends.replica import READ_AHEAD_BYTES
 
     piece = 1 << 20
+    assert READ_AHEAD_BYTES + piece >= sum(_PAST_KERNEL)
     data = os.urandom(2 * READ_AHEAD_BYTES + 4 * piece)
-    offset, length = 3 * piece, READ_AHEAD_BYTES - 3 * piece  # past the kernel's readahead
-    with _cold_replica(volume, data, BLOCK + 1) as replica:
-        far = READ_AHEAD_BYTES + 2 * piece
-        assert replica.read(far, piece) == data[far : far + piece]
-        assert cachestat(volume.data_path(BLOCK + 1), length, far + offset).nr_cache == 0
+    offset, length = _PAST_KERNEL
     with _cold_replica(volume, data) as replica:
         assert replica.read(0, piece) == data[:piece]
         assert cachestat(volume.data_path(BLOCK), length, offset).nr_cache > length // 4096 // 2
+
+
+@pytest.mark.parametrize("first_try", ["nowait", "direct"])
+def test_a_random_read_asks_for_nothing_ahead(volume, first_try):
+    """A read far from where the last one ended asks for nothing ahead of it, also when it
+    is tried from the page cache first (nowait, which misses) and then from the disk: the
+    miss must not count as a read the second try continues."""
+    from tierfs.backends.replica import READ_AHEAD_BYTES
+
+    piece = 1 << 20
+    data = os.urandom(2 * READ_AHEAD_BYTES + 16 * piece)
+    offset, length = _PAST_KERNEL
+    with _cold_replica(volume, data) as replica:
+        # each more than READ_AHEAD_BYTES past where the read before it ended
+        for far in (READ_AHEAD_BYTES + 2 * piece, 2 * READ_AHEAD_BYTES + 4 * piece):
+            if first_try == "nowait":
+                assert replica.read(far, piece, nowait=True) is None
+            assert replica.read(far, piece) == data[far : far + piece]
+            assert cachestat(volume.data_path(BLOCK), length, far + offset).nr_cache == 0

@@ -327,8 +327,9 @@ def test_one_listing_whose_replies_hold_ever_different_numbers_of_entries(fs, mo
 
 
 def test_left_over_entries_are_not_served_after_a_change_or_a_seek(fs, monkeypatch):
-    """The entries left over from a full reply start the next one only while nothing in the
-    namespace changed and the request continues the last reply: after a chmod and an unlink
+    """The entries left over from a full reply start the next one, without reading them
+    again, but only while nothing in the namespace changed and the request continues the
+    last reply: after a chmod and an unlink
     the listing shows the new mode and not the removed name, and a request that goes back to
     an earlier offset (rewinddir, seekdir) gets the entries from there."""
     d = fs.mkdir(b"d")
@@ -352,9 +353,16 @@ def test_left_over_entries_are_not_served_after_a_change_or_a_seek(fs, monkeypat
         fs.call(fs.ops.readdir, fh, offset, buffer)
         return buffer
 
+    reads = []
+    real_readdir = fs.ns.readdir
+    monkeypatch.setattr(fs.ns, "readdir", lambda *a: reads.append(a) or real_readdir(*a))
     try:
         first = request(0, 5)
         assert [n for n, _, _ in first.entries] == [b".", b"..", b"f000", b"f001", b"f002"]
+        reads.clear()
+        nxt = request(first.entries[-1][2], 4)
+        assert [n for n, _, _ in nxt.entries] == [b"f003", b"f004", b"f005", b"f006"]
+        assert reads == [], "the left-over entries were read again"
         again = request(first.entries[2][2], 3)  # back to just after f000
         assert [n for n, _, _ in again.entries] == [b"f001", b"f002", b"f003"]
         first = request(0, 5)
