@@ -234,8 +234,8 @@ class BlockIO:
         """Verified data (bytes-like); holes and the unwritten tail of a block read as zeros.
 
         The plan (which replicas, which ranges) is made here in the trio thread. A read the
-        page cache can serve runs right here; one that would wait (for a disk, for the lock
-        of a block another thread is reading, or to ask for readahead) goes to a worker
+        page cache can serve runs right here; one that would wait for a disk (or more than a
+        millisecond for the lock of a block another thread is reading) goes to a worker
         thread, so a cached read pays for no thread hop and a disk read does not hold up
         other requests (measured: README, "Speed").
         """
