@@ -611,25 +611,20 @@ class Replica:
         raise ValueError(f"cannot {action} {self._where()}: replica is {why}")
 
 
-def _read_ahead_due(state: _BlockState, start: int, stop: int) -> bool:
-    """Whether a read of [start, stop) should ask for the next READ_AHEAD_BYTES early.
+def _advance_read_ahead(state: _BlockState, start: int, stop: int) -> tuple[int, int] | None:
+    """Record a read of [start, stop) that returned data (under the lock); (offset, length)
+    to ask for early when a readahead is due, else None.
 
     A read that starts within READ_AHEAD_BYTES of where the last one ended is sequential
     (the kernel's readahead requests may arrive slightly out of order, and a reader starting
     at the beginning of a block is one too); the next window is due once the reader is
-    half-way through the last one. Random reads ask for nothing.
+    half-way through the last one. Random reads ask for nothing. Only reads that return
+    data move the state, so a read tried from the page cache first and then from the disk
+    counts once.
     """
-    return (abs(start - state.read_end) <= READ_AHEAD_BYTES
-            and stop + READ_AHEAD_BYTES // 2 > state.read_ahead_to)
-
-
-def _advance_read_ahead(state: _BlockState, start: int, stop: int) -> tuple[int, int] | None:
-    """Record a read that returned data (under the lock); (offset, length) to ask for early
-    when a readahead is due, else None. Only reads that return data move the state, so a
-    read tried from the page cache first and then from the disk counts once."""
-    due = _read_ahead_due(state, start, stop)
+    sequential = abs(start - state.read_end) <= READ_AHEAD_BYTES
     state.read_end = stop
-    if not due:
+    if not sequential or stop + READ_AHEAD_BYTES // 2 <= state.read_ahead_to:
         return None
     begin = max(stop, state.read_ahead_to)
     state.read_ahead_to = stop + READ_AHEAD_BYTES
