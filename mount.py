@@ -28,6 +28,7 @@ import trio
 
 from tierfs.backends.volume_set import VolumeSet
 from tierfs.fs.blockio import BlockIO
+from tierfs.fs import fuseloop
 from tierfs.fs.errors import FsError, UsageError
 from tierfs.fs.mountlock import MountLock
 from tierfs.fs.namespace import Namespace, new_session_id
@@ -154,6 +155,7 @@ async def serve(ops: Operations, blockio: BlockIO, ns: Namespace, mountpoint: st
         nursery.start_soon(_signals, mountpoint)
         nursery.start_soon(_tune_after_init, ops, mountpoint)
         nursery.start_soon(ops.replication.run)
+        fuseloop.install()
         await pyfuse3.main()
         nursery.cancel_scope.cancel()
 

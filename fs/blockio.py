@@ -108,7 +108,9 @@ class BlockIO:
     def _lease(self, of: OpenFile) -> None:
         """The first change of a write session takes the lease (seed 002): from here a
         crash leaves a lease that the next mount recovers. A file opened for writing but
-        never changed needs no recovery, so open and close cost no lease transactions."""
+        never changed needs no recovery, so open and close cost no lease transactions.
+        A first change that adds a block takes it in that block's transaction instead
+        (``_write_new_block``): until then a crash leaves only orphan replica files."""
         if not of.leased:
             self.ns.take_lease(of.ino, self.session, time.time_ns())
             of.leased = True
@@ -311,7 +313,6 @@ class BlockIO:
 
     def write(self, of: OpenFile, offset: int, data) -> int:
         """Write ``data`` at ``offset``; returns the byte count (all or an error)."""
-        self._lease(of)
         view = memoryview(data)
         total = len(view)
         pos = 0
@@ -344,6 +345,7 @@ class BlockIO:
         return pos
 
     def _write_existing(self, of: OpenFile, index: int, boff: int, piece) -> None:
+        self._lease(of)
         rec = of.blocks[index]
         replicas = self._replicas(of, index, writable=True)
         if not replicas:
@@ -428,7 +430,9 @@ class BlockIO:
                 replicas.append(replica)
                 replica.write(boff, piece)
             rec = BlockRecord(block_id, gs, boff + len(piece), tuple(v.id for v in volumes))
-            self.ns.add_block(of.ino, index, rec)
+            lease = None if of.leased else (self.session, time.time_ns())
+            self.ns.add_block(of.ino, index, rec, lease)
+            of.leased = True
         except BaseException:
             for replica, volume in zip(replicas, volumes):
                 replica.close()

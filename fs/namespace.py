@@ -885,8 +885,14 @@ class Namespace:
         self._reserved[counter] = [nxt + 1, end]
         return nxt
 
-    def add_block(self, ino: int, index: int, rec: BlockRecord) -> None:
-        """Record a new block whose replica files already exist and are fsynced."""
+    def add_block(self, ino: int, index: int, rec: BlockRecord,
+                  lease: tuple[bytes, int] | None = None) -> None:
+        """Record a new block whose replica files already exist and are fsynced.
+
+        ``lease`` (holder, time) takes the file's lease in the same transaction: when a
+        write session's first change is a new block, as it is for every new file, that
+        saves a transaction of its own (the journal record carries the holder).
+        """
 
         def body(w: _Write) -> None:
             txn = w.txn
@@ -897,8 +903,11 @@ class Namespace:
             txn.put(key, rec.pack(), db=self.db["blocks"])
             for vol in rec.volumes:
                 txn.put(schema.replica_key(vol, rec.block_id), key, db=self.db["replicas"])
+            if lease is not None:
+                txn.put(u64(ino), schema.lease_value(*lease), db=self.db["leases"])
 
-        self._mutate(Op.ADD_BLOCK, (ino, index, rec.block_id, rec.gs, rec.volumes), body)
+        self._mutate(Op.ADD_BLOCK, (ino, index, rec.block_id, rec.gs, rec.volumes,
+                                    lease[0] if lease else None), body)
 
     def add_replica(self, ino: int, index: int, block_id: int, gs: int, volume_id: int) -> bool:
         """Record a copied replica, only if the block is unchanged since the copy began

@@ -28,7 +28,7 @@ import trio
 
 from tierfs import mount
 from tierfs.fs.operations import XATTR_INODE_MAX, XATTR_VALUE_MAX
-from tierfs.fs.schema import ROOT_INO
+from tierfs.fs.schema import ROOT_INO, Op, parse_journal_record, u64
 from tierfs.tools.fsck import Fsck
 from tierfs.tools.mkfs import make_filesystem
 from tests.conftest import evict
@@ -866,14 +866,47 @@ def test_getattr_shows_the_in_memory_size_of_a_file_open_for_writing(fs):
     # a second handle sees the same length
     reader = fs.open(f, os.O_RDONLY)
     assert fs.read(reader, BS, 100) == b"z" * 7
-    fs.call(fs.ops.flush, fh)
-    assert fs.ns.get_inode(f).size == BS + 7
     fs.write(fh, BS + 7, b"w")
     fs.release(fh)  # the last writer persists
     assert fs.ns.get_inode(f).size == BS + 8
     assert fs.getattr(f).st_size == BS + 8
     fs.release(reader)
     assert f not in fs.blockio.files
+
+
+def test_flush_is_left_to_the_kernel_and_release_persists(fs):
+    """FLUSH answers ENOSYS, so the kernel stops sending it (one request less per close);
+    the length and times of the last writer reach the namespace at release."""
+    fh, f = fs.create(b"f")
+    fs.write(fh, 0, b"abc")
+    mtime = fs.getattr(f).st_mtime_ns
+    assert fs.errno_of(fs.ops.flush, fh) == errno.ENOSYS
+    assert fs.ns.get_inode(f).size == 0
+    assert f in fs.ns.leases()
+    fs.release(fh)
+    inode = fs.ns.get_inode(f)
+    assert (inode.size, inode.mtime_ns) == (3, mtime)
+    assert f not in fs.ns.leases()
+
+
+def test_a_new_file_takes_its_lease_with_its_first_block(fs):
+    """The first write of a new file is one namespace transaction: the block and the
+    lease together, journalled as one ADD_BLOCK that names the holder."""
+    warm, _ = fs.create(b"warm")  # a mount's first block reserves id and GS batches
+    fs.write(warm, 0, b"w")
+    fs.release(warm)
+    fh, f = fs.create(b"f")
+    before = fs.ns.last_txid()
+    fs.write(fh, 0, b"abc")
+    assert fs.ns.last_txid() == before + 1
+    with fs.ns.env.begin() as txn:
+        record = parse_journal_record(txn.get(u64(before + 1), db=fs.ns.db["journal"]))
+    assert record[0] == Op.ADD_BLOCK and record[-1] == fs.blockio.session
+    assert fs.ns.leases()[f][0] == fs.blockio.session
+    fs.write(fh, 3, b"def")  # same block, same session: no transaction at all
+    assert fs.ns.last_txid() == before + 1
+    fs.release(fh)
+    assert f not in fs.ns.leases()
 
 
 def test_fsync_persists_size_and_mtime(fs):
