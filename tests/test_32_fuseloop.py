@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pyfuse3
 import trio
+import trio.testing
 
 from tierfs.fs import fuseloop
 from tierfs.fs.fuseloop import ReadLock
@@ -24,10 +25,11 @@ def test_a_free_lock_is_taken_without_yielding():
         lock = ReadLock()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(other)
-            async with lock:  # trio.Lock would let "other" run here
-                assert ran == [] and lock.locked
-            assert not lock.locked
-            await trio.sleep(0)
+            for _ in range(10):  # trio.Lock lets "other" run at some acquire (trio picks
+                async with lock:  # the order at random, so at each one with odds 1/2)
+                    assert ran == [] and lock.locked
+                assert not lock.locked
+            await trio.testing.wait_all_tasks_blocked()
             assert ran == ["other"]
 
     trio.run(main)
