@@ -27,8 +27,8 @@ import pyfuse3
 import trio
 
 from tierfs.backends.volume_set import VolumeSet
-from tierfs.fs.blockio import BlockIO
 from tierfs.fs import fuseloop
+from tierfs.fs.blockio import BlockIO
 from tierfs.fs.errors import FsError, UsageError
 from tierfs.fs.mountlock import MountLock
 from tierfs.fs.namespace import Namespace, new_session_id

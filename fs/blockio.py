@@ -14,8 +14,9 @@ Durability rules (DESIGN.md sections 3-4):
 - a replica's new generation stamp is on its meta file before any byte of the new version is
   written, and before the namespace records it (so a crash in between leaves the replica
   newer than the namespace, which recovery accepts);
-- lengths, sizes and times of open files are kept in memory and persisted on flush, fsync,
-  release, when a block fills and by the one-second tick;
+- lengths, sizes and times of open files are kept in memory and persisted on fsync,
+  release, when a block fills and by the one-second tick (close() sends no FLUSH: see
+  ``Operations.flush``);
 - dropped blocks go to the namespace trash in the dropping transaction; their files are
   deleted after the commit.
 """
