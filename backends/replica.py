@@ -46,13 +46,13 @@ import os
 import threading
 from typing import TYPE_CHECKING
 
+from tierfs.backends.crc_combine import chunks_match
 from tierfs.backends.meta import (
     CRC_SIZE,
     CRC_STRUCT,
     HEADER_SIZE,
     byte_view,
     chunk_crc_list,
-    chunk_crcs,
     crc32c,
     crc_offset,
     first_bad_chunk,
@@ -226,8 +226,7 @@ class Replica:
             _hint_will_need(self._data_fd, *ahead)
         if len(buf) != stop - start:
             raise self._damaged(f"data file is shorter than {stop} bytes")
-        computed = CRC_STRUCT.pack(crc32c(buf)) if first == last else chunk_crcs(buf, bpc)
-        if computed != stored:
+        if not chunks_match(buf, stored, bpc):
             self._raise_mismatch(buf, stored, first)
         if start == offset and stop == end:
             return buf

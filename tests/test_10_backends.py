@@ -22,11 +22,11 @@ from pathlib import Path
 
 import crc32c
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from tierfs.backends import meta
+from tierfs.backends import crc_combine, meta
 from tierfs.backends.replica import Replica
 from tierfs.backends.storage_types import StorageType
 from tierfs.backends.volume import IDENTITY_FILE, ReplicaInfo, Volume
@@ -189,6 +189,77 @@ def test_chunk_crc_list_continues_a_partial_chunk():
     data = os.urandom(50)
     head = crc32c.crc32c(data[:5])
     assert meta.chunk_crc_list(data[5:], 16, skip=5, value=head) == expected_crcs(data, 16)
+
+
+def _stored_crcs(data: bytes, bpc: int) -> bytes:
+    return b"".join(struct.pack(">I", c) for c in expected_crcs(data, bpc))
+
+
+def _flip_bit(raw: bytes, bit: int) -> bytes:
+    out = bytearray(raw)
+    out[bit // 8] ^= 1 << (bit % 8)
+    return bytes(out)
+
+
+@settings(max_examples=300, deadline=None)
+@given(bpc=st.sampled_from([16, 512]), chunks=st.integers(0, crc_combine.GROUP + 40),
+       tail=st.integers(0, 15), damage=st.sampled_from(["none", "data", "crcs", "short", "long"]),
+       where=st.floats(0, 1, exclude_max=True), seed=st.binary(min_size=8, max_size=8))
+def test_chunks_match_is_chunk_by_chunk_comparison(bpc, chunks, tail, damage, where, seed):
+    """Checking a run through one combined CRC says exactly what comparing each chunk's CRC
+    says, on runs below, at and above the size where combining starts and past a table's
+    GROUP, with one bit flipped anywhere in the data or in the stored CRCs."""
+    data = original = (seed * (bpc // 8 * chunks + 2))[: bpc * chunks + tail]
+    stored = right = _stored_crcs(data, bpc)
+    if damage == "data" and data:
+        data = _flip_bit(data, int(where * len(data) * 8))
+    elif damage == "crcs" and stored:
+        stored = _flip_bit(stored, int(where * len(stored) * 8))
+    elif damage == "short":
+        stored = stored[:-4]
+    elif damage == "long":
+        stored += b"\0\0\0\0"
+    expect = meta.chunk_crcs(data, bpc) == stored
+    assert crc_combine.chunks_match(data, stored, bpc) is expect
+    assert crc_combine.chunks_match(memoryview(data), stored, bpc) is expect
+    assert expect is ((data, stored) == (original, right))
+
+
+def test_chunks_match_checks_every_group_and_the_partial_tail():
+    """Damage in any chunk of a run several tables long, the partial last chunk included, in
+    its data or in its stored CRC, is caught."""
+    bpc = 16
+    count = 3 * crc_combine.GROUP + 5
+    data = os.urandom(count * bpc + 7)
+    stored = _stored_crcs(data, bpc)
+    for chunk in [*range(0, count + 1, 37), crc_combine.GROUP, 2 * crc_combine.GROUP - 1,
+                  count - 1, count]:
+        bit = (chunk * bpc + 3) * 8
+        assert not crc_combine.chunks_match(_flip_bit(data, bit), stored, bpc), chunk
+        assert not crc_combine.chunks_match(data, _flip_bit(stored, chunk * 32 + 5), bpc), chunk
+    assert crc_combine.chunks_match(data, stored, bpc)
+
+
+def test_chunks_match_catches_swapped_chunks_and_swapped_crcs():
+    data = os.urandom(64 * 512)
+    stored = _stored_crcs(data, 512)
+    swapped = data[512:1024] + data[:512] + data[1024:]
+    assert not crc_combine.chunks_match(swapped, stored, 512)
+    assert not crc_combine.chunks_match(data, stored[4:8] + stored[:4] + stored[8:], 512)
+    assert crc_combine.chunks_match(swapped, _stored_crcs(swapped, 512), 512)
+
+
+def test_chunks_match_of_zeros_needs_the_crcs_of_zeros():
+    """A meta file left zero-filled (a crash in the middle of a write) over zero data must
+    not verify: the CRC32C of zeros is not zero."""
+    zeros = bytes(300 * 512)
+    assert not crc_combine.chunks_match(zeros, bytes(300 * 4), 512)
+    assert crc_combine.chunks_match(zeros, _stored_crcs(zeros, 512), 512)
+
+
+def test_run_matches_refuses_a_run_that_is_not_whole_chunks():
+    with pytest.raises(ValueError):
+        crc_combine.run_matches(bytes(100), bytes(4), 64)
 
 
 # ---------------------------------------------------------------------- format and open
@@ -608,6 +679,27 @@ def test_corrupt_byte_fails_only_its_chunk(volume):
         assert r.read(0, 1024) == data[:1024]
         assert r.read(3 * 512, 512) == data[3 * 512 :]
         assert r.read(1000, 24) == data[1000:1024]
+
+
+@pytest.mark.parametrize("chunk", [0, 19, 20, 63, 299, 300])
+def test_corrupt_byte_in_a_long_read_names_its_chunk(volume, chunk):
+    """Reads of many chunks are checked through one combined CRC (crc_combine); damage
+    anywhere in them, in the data or in the meta file, is still EIO naming the chunk."""
+    data = os.urandom(300 * 512 + 100)
+    with volume.create_replica(BLOCK, GS, 512) as r:
+        r.write(0, data)
+        assert r.read(0, len(data)) == data
+        corrupt_byte(volume.data_path(BLOCK), chunk * 512 + 50)
+        with pytest.raises(ChecksumError, match=f"chunk {chunk}\\b") as e:
+            r.read(0, len(data))
+        assert e.value.errno == errno.EIO
+        corrupt_byte(volume.data_path(BLOCK), chunk * 512 + 50)  # mended
+        assert r.read(0, len(data)) == data
+        corrupt_byte(volume.meta_path(BLOCK, GS), 7 + 4 * chunk + 1)
+        with pytest.raises(ChecksumError, match=f"chunk {chunk}\\b"):
+            r.read(100, len(data) - 150)
+        far = 0 if chunk > 150 else 200 * 512
+        assert r.read(far, 80 * 512) == data[far : far + 80 * 512]
 
 
 def test_corrupt_crc_is_detected(volume):
