@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 import signal
+import subprocess
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -78,22 +79,56 @@ def fuse_options(data: Path, user_options: list[str]) -> set[str]:
 READ_AHEAD_KB = 1024
 
 
+def mount_device(mountpoint: str) -> str | None:
+    """The "major:minor" of the filesystem mounted on ``mountpoint`` (the topmost), or None.
+
+    From mountinfo: a stat() of our own mount point here would wait for this very daemon,
+    and one of a connection the kernel aborted fails.
+    """
+    target = os.path.abspath(mountpoint)  # no realpath: it would stat our own mount
+    found = [m.device for m in mountinfo.mounts() if m.mount_point == target]
+    return found[-1] if found else None
+
+
 def tune_readahead(mountpoint: str, kb: int = READ_AHEAD_KB) -> None:
     """Raise the readahead of this mount's backing device info from the kernel's 128 KiB.
 
     FUSE caps readahead at the bdi default, so every 128 KiB of a sequential read costs a
     request round trip; with 1 MiB the kernel sends 1 MiB reads (measured: cold sequential
     read 243 -> 412 MB/s). Needs root; without it the default stays, and that is logged.
-    The device numbers come from mountinfo: a stat() of our own mount point here would
-    wait for this very daemon.
     """
-    target = os.path.abspath(mountpoint)  # no realpath: it would stat our own mount
     try:
-        dev = next(m.device for m in mountinfo.mounts() if m.mount_point == target)
+        dev = mount_device(mountpoint)
+        if dev is None:
+            raise FileNotFoundError(f"{mountpoint} is not in the mount table")
         with open(f"/sys/class/bdi/{dev}/read_ahead_kb", "w") as f:
             f.write(str(kb))
-    except (OSError, StopIteration) as exc:
+    except OSError as exc:
         log.info("readahead left at the kernel default: %s", exc)
+
+
+def detach_if_aborted(mountpoint: str, device: str | None, aborted: bool) -> None:
+    """After the session ended: a mount still in the table is one whose connection the
+    kernel aborted (``/sys/fs/fuse/connections/N/abort``, or the kernel's own abort).
+
+    libfuse then skips the unmount, leaving a dead mount that answers ENOTCONN until
+    somebody unmounts it; detach it lazily, as ``fusermount3 -u -z`` does, so that the
+    mount point is usable again and the next mount of it is not stacked on a dead one.
+    """
+    still_mounted = device is not None and mount_device(mountpoint) == device
+    if not (aborted or still_mounted):
+        return  # unmounted the ordinary way
+    log.warning("the kernel aborted the FUSE connection of %s", mountpoint)
+    if not still_mounted:
+        return
+    try:
+        result = subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True,
+                                text=True, check=False)
+        problem = result.stderr.strip() if result.returncode else None
+    except OSError as exc:
+        problem = str(exc)
+    if problem:
+        log.warning("could not detach the dead mount on %s: %s", mountpoint, problem)
 
 
 def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:
@@ -233,17 +268,20 @@ def run(args, ready_fd: int | None) -> int:
             os.write(ready_fd, b"ok\n")
             os.close(ready_fd)
         log.info("mounted %s on %s", args.data, args.mountpoint)
+        device = mount_device(args.mountpoint)
+        aborted = False
         try:
             trio.run(serve, ops, blockio, ns, args.mountpoint)
         except* ConnectionAbortedError:
-            # /dev/fuse answers ECONNABORTED rather than ENODEV when the kernel ended the
-            # session by aborting it (seen once at unmount, in CI); libfuse takes only
-            # ENODEV for the end, so pyfuse3 raises. Either way the mount is gone: the
-            # usual clean shutdown follows, not a traceback and exit status 1.
-            log.warning("the kernel aborted the FUSE connection of %s", args.mountpoint)
+            # After an abort /dev/fuse answers ENODEV, which libfuse takes for the end of
+            # the session, or ECONNABORTED when the session asked for that at FUSE_INIT
+            # (FUSE_ABORT_ERROR; seen once at unmount, in CI), which pyfuse3 raises. Both
+            # end in the usual clean shutdown, not a traceback and exit status 1.
+            aborted = True
         finally:
             pyfuse3.close(unmount=True)
             shutdown(ops, blockio, ns)
+            detach_if_aborted(args.mountpoint, device, aborted)
             log.info("unmounted %s", args.mountpoint)
     return 0
 
