@@ -82,6 +82,7 @@ class Results:
     def __init__(self, labels: list[str]):
         self.labels = labels
         self.cells: dict[str, dict[str, Cell]] = {}
+        self.rounds: dict[str, dict[str, list[Figure]]] = {}
 
     @property
     def reference(self) -> str | None:
@@ -92,7 +93,23 @@ class Results:
         return self.labels[-1]
 
     def add(self, label: str, name: str, cell: Cell) -> None:
-        self.cells.setdefault(name, {})[label] = cell
+        """One round's outcome. Over several rounds a directory's cell is the round with the
+        median value (the lower of the two middle ones for an even count, so that every
+        figure shown was measured), and a round that failed or was skipped decides the cell
+        for good: a failure is not outvoted by the rounds that worked."""
+        row = self.cells.setdefault(name, {})
+        if isinstance(row.get(label), Missing):
+            return
+        if isinstance(cell, Missing):
+            row[label] = cell
+            return
+        samples = self.rounds.setdefault(name, {}).setdefault(label, [])
+        samples.append(cell)
+        row[label] = sorted(samples, key=lambda f: f.value)[(len(samples) - 1) // 2]
+
+    def round_count(self) -> int:
+        """The most rounds any figure was measured in."""
+        return max((len(s) for row in self.rounds.values() for s in row.values()), default=0)
 
     def names(self) -> list[str]:
         """The figures measured so far, in report order."""
@@ -148,6 +165,9 @@ def render_table(results: Results) -> str:
              for row in rows]
     lines.insert(1, "-" * len(lines[0]))
     lines += _notes(results)
+    if results.round_count() > 1:
+        lines.append(f"each figure is the median of {results.round_count()} rounds "
+                     "(every round ran on each directory in turn)")
     counts = list(results.verdicts().values())
     lines.append(f"PASS {counts.count('PASS')}, FAIL {counts.count('FAIL')}")
     return "\n".join(lines)
@@ -190,7 +210,8 @@ def to_json(results: Results, meta: dict) -> dict:
         figures.append({
             "name": name,
             "unit": UNITS[name],
-            "values": {label: _cell_json(cell) for label, cell in results.cells[name].items()},
+            "values": {label: _cell_json(cell, results.rounds.get(name, {}).get(label))
+                       for label, cell in results.cells[name].items()},
             "ratio": results.ratio(name),
             "target": None if goal is None else {"kind": goal.kind, "threshold": goal.threshold},
             "result": results.verdict(name),
@@ -198,7 +219,10 @@ def to_json(results: Results, meta: dict) -> dict:
     return {**meta, "figures": figures}
 
 
-def _cell_json(cell: Cell) -> dict:
+def _cell_json(cell: Cell, rounds: list[Figure] | None) -> dict:
     if isinstance(cell, Missing):
         return {"error" if cell.error else "skipped": cell.reason}
-    return {"value": cell.value, "seconds": cell.seconds, "count": cell.count}
+    out = {"value": cell.value, "seconds": cell.seconds, "count": cell.count}
+    if rounds and len(rounds) > 1:
+        out["rounds"] = [f.value for f in rounds]
+    return out

@@ -65,3 +65,49 @@ def test_unknown_workload_is_refused(tmp_path):
         capture_output=True, text=True, timeout=30)
     assert done.returncode == 2
     assert "nope" in done.stderr
+
+
+@pytest.mark.timeout(60)
+def test_rounds_report_the_median_round_and_keep_every_round(tmp_path):
+    out = tmp_path / "bench.json"
+    target = tmp_path / "target"
+    target.mkdir()
+    done = subprocess.run(
+        [sys.executable, RUN, "--target-only", str(target), "--quick", "--rounds", "3",
+         "--only", "create,mkdir", "--json", str(out)],
+        capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(re.findall(r"^dir\s+create\s", done.stdout, re.MULTILINE)) == 3, done.stdout
+    assert "each figure is the median of 3 rounds" in done.stdout
+    run = json.loads(out.read_text())
+    assert run["rounds"] == 3
+    for figure in run["figures"]:
+        cell = figure["values"]["dir"]
+        assert len(cell["rounds"]) == 3
+        assert cell["value"] == sorted(cell["rounds"])[1]
+    assert os.listdir(target) == [], "the harness left files behind"
+
+
+def test_rounds_must_be_positive(tmp_path):
+    done = subprocess.run([sys.executable, RUN, "--target-only", str(tmp_path), "--rounds", "0"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2
+    assert "--rounds must be at least 1" in done.stderr
+
+
+def test_a_failed_round_is_not_outvoted(monkeypatch):
+    """The median of the rounds that worked must not hide a round that failed."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "bench"))
+    from report import Missing, Results
+    from workloads import Figure
+
+    results = Results(["backing", "tierfs"])
+    results.add("backing", "create", Figure("create", 100.0, 1.0, 100))
+    results.add("tierfs", "create", Figure("create", 10.0, 1.0, 10))
+    results.add("backing", "create", Figure("create", 200.0, 1.0, 200))
+    results.add("tierfs", "create", Missing("ENOSPC", error=True, workload="create"))
+    results.add("backing", "create", Figure("create", 300.0, 1.0, 300))
+    results.add("tierfs", "create", Figure("create", 30.0, 1.0, 30))
+    assert results.cells["create"]["backing"].value == 200.0
+    assert isinstance(results.cells["create"]["tierfs"], Missing)
+    assert results.verdict("create") == "FAIL"
