@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -29,15 +30,23 @@ FIGURES = [
 ]
 
 
-@pytest.mark.timeout(60)
-def test_quick_run_on_a_plain_directory_reports_every_workload(tmp_path):
+def quick_run(tmp_path, *options: str) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    """A successful ``--quick --target-only`` run on a new directory: the finished process,
+    the directory and the JSON it wrote."""
     out = tmp_path / "bench.json"
     target = tmp_path / "target"
     target.mkdir()
     done = subprocess.run(
-        [sys.executable, RUN, "--target-only", str(target), "--quick", "--json", str(out)],
+        [sys.executable, RUN, "--target-only", str(target), "--quick", "--json", str(out),
+         *options],
         capture_output=True, text=True, timeout=50)
     assert done.returncode == 0, done.stdout + done.stderr
+    return done, target, out
+
+
+@pytest.mark.timeout(60)
+def test_quick_run_on_a_plain_directory_reports_every_workload(tmp_path):
+    done, target, out = quick_run(tmp_path)
 
     # each workload's line says how much CPU the hypervisor took meanwhile (/proc/stat)
     assert re.search(r"^dir\s+seq_write\s+.*\(.*, \d+% CPU stolen\)$", done.stdout, re.MULTILINE), \
@@ -69,14 +78,7 @@ def test_unknown_workload_is_refused(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_rounds_report_the_median_round_and_keep_every_round(tmp_path):
-    out = tmp_path / "bench.json"
-    target = tmp_path / "target"
-    target.mkdir()
-    done = subprocess.run(
-        [sys.executable, RUN, "--target-only", str(target), "--quick", "--rounds", "3",
-         "--only", "create,mkdir", "--json", str(out)],
-        capture_output=True, text=True, timeout=50)
-    assert done.returncode == 0, done.stdout + done.stderr
+    done, target, out = quick_run(tmp_path, "--rounds", "3", "--only", "create,mkdir")
     assert len(re.findall(r"^dir\s+create\s", done.stdout, re.MULTILINE)) == 3, done.stdout
     assert "each figure is the median of 3 rounds" in done.stdout
     run = json.loads(out.read_text())
