@@ -459,11 +459,11 @@ def setfattr_subtree(ws: Workspace) -> list[Figure]:
     if not supports_policy_xattr(ws.root):
         raise SkipWorkload(f"no {POLICY_XATTR} here (not a tierfs mount)")
     empty = ws.fresh_dir("policy-empty")
-    if ws.policy_tree is None:
+    tree = ws.policy_tree
+    if tree is None:
         tree = ws.fresh_dir("policy-tree")
         _build_tree(ws, tree)
-        ws.policy_tree = tree
-    tree = ws.policy_tree
+        ws.policy_tree = tree  # only once it is complete
     empty_seconds = _median_policy_set(empty, ws.sizes.setfattr_repeats)
     tree_seconds = _median_policy_set(tree, ws.sizes.setfattr_repeats)
     repeats = ws.sizes.setfattr_repeats
