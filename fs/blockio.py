@@ -36,7 +36,7 @@ from tierfs.backends.volume import Volume
 from tierfs.backends.volume_set import VolumeSet
 from tierfs.fs.errors import FsError
 from tierfs.fs.namespace import Namespace
-from tierfs.fs.schema import BlockRecord
+from tierfs.fs.schema import BlockRecord, Inode
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +93,15 @@ class BlockIO:
 
     # --- open and close ---------------------------------------------------------------------
 
-    def acquire(self, ino: int, *, writer: bool) -> OpenFile:
-        """Open state of ``ino`` for one more user."""
+    def acquire(self, ino: int, *, writer: bool, created: Inode | None = None) -> OpenFile:
+        """Open state of ``ino`` for one more user. ``created``: the inode the same request
+        just made (O_CREAT), which has no blocks yet, so nothing needs reading back."""
         of = self.files.get(ino)
         if of is None:
-            inode = self.ns.get_inode(ino)
+            inode = created if created is not None else self.ns.get_inode(ino)
+            blocks = {} if created is not None else self.ns.get_blocks(ino)
             of = OpenFile(ino, inode.size, inode.atime_ns, inode.mtime_ns, inode.ctime_ns,
-                          self.ns.get_blocks(ino),
-                          unsynced=self.unsynced.setdefault(ino, set()))
+                          blocks, unsynced=self.unsynced.setdefault(ino, set()))
             self.files[ino] = of
         of.users += 1
         of.writers += int(writer)

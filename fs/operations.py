@@ -345,9 +345,9 @@ class Operations(pyfuse3.Operations):
 
     # --- files -----------------------------------------------------------------------------
 
-    def _open(self, ino: int, flags: int) -> pyfuse3.FileInfo:
+    def _open(self, ino: int, flags: int, created: Inode | None = None) -> pyfuse3.FileInfo:
         writer = (flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
-        of = self.blockio.acquire(ino, writer=writer)
+        of = self.blockio.acquire(ino, writer=writer, created=created)
         fh = self._fh()
         self.handles[fh] = Handle(of, writer)
         fi = pyfuse3.FileInfo(fh=fh)
@@ -375,7 +375,7 @@ class Operations(pyfuse3.Operations):
     @handler
     async def create(self, parent_inode, name, mode, flags, ctx):
         inode = self._make(parent_inode, name, (mode & 0o7777) | stat.S_IFREG, ctx)
-        fi = self._open(inode.ino, flags)
+        fi = self._open(inode.ino, flags, created=inode)
         return fi, self._reply_entry(inode)
 
     @handler
