@@ -249,7 +249,7 @@ def test_with_another_task_runnable_the_wait_goes_through_the_scheduler(pipe):
     seen = []
 
     async def other():
-        pass
+        """A task that is runnable and does nothing else."""
 
     async def main():
         me = trio.lowlevel.current_task()
