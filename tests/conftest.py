@@ -8,6 +8,7 @@ end with ``tierfs fsck`` reporting nothing.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -128,6 +129,54 @@ def evict(path) -> None:
 def assert_fsck_clean(data: Path) -> None:
     result = run_tool("fsck", str(data), check=False)
     assert result.returncode == 0, f"fsck found problems:\n{result.stdout}\n{result.stderr}"
+
+
+RECOVERY_MARKERS = ("did not stop cleanly", "recovered")
+"""What a daemon logs when its mount had to recover from a crash."""
+
+
+def lock_is_free(data: Path) -> bool:
+    """True when no daemon holds DATA's mount lock (what ``tierfs umount`` waits for)."""
+    path = data / "namespace" / "mount.lock"
+    if not path.exists():
+        return True
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def log_size(mount: Mount) -> int:
+    return mount.log.stat().st_size if mount.log.exists() else 0
+
+
+def log_since(mount: Mount, offset: int) -> str:
+    with open(mount.log, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
+
+
+def assert_remount_is_clean(data: Path, mnt: Path, expect: dict[str, bytes] | None = None
+                            ) -> None:
+    """A new daemon logs no recovery and no error, finds ``expect``, and unmounts; fsck is
+    clean."""
+    mount = Mount(data, mnt)
+    offset = log_size(mount)
+    mount.start()
+    try:
+        for name, content in (expect or {}).items():
+            assert (mnt / name).read_bytes() == content, name
+    finally:
+        mount.stop()
+    text = log_since(mount, offset)
+    for marker in RECOVERY_MARKERS:
+        assert marker not in text, f"remount ran recovery:\n{text}"
+    assert " ERROR" not in text and "Traceback" not in text, text
+    assert_fsck_clean(data)
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ traceback.
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
 import signal
@@ -21,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import MOUNT_TIERFS, TIERFS, Mount, assert_fsck_clean, is_mounted, run_tool
+from tests.conftest import (MOUNT_TIERFS, TIERFS, Mount, assert_fsck_clean, assert_remount_is_clean,
+                            is_mounted, lock_is_free, run_tool)
 
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
-RECOVERY_MARKERS = ("did not stop cleanly", "recovered")
 
 
 # --- helpers --------------------------------------------------------------------------------
@@ -54,21 +53,6 @@ def assert_one_line_error(result: subprocess.CompletedProcess, code: int, *fragm
     return lines[0]
 
 
-def lock_is_free(data: Path) -> bool:
-    """True when no daemon holds DATA's mount lock (what ``tierfs umount`` waits for)."""
-    path = data / "namespace" / "mount.lock"
-    if not path.exists():
-        return True
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-    return True
-
-
 def lock_holder_pid(data: Path) -> int:
     return int((data / "namespace" / "mount.lock").read_text().split()[0])
 
@@ -80,35 +64,6 @@ def process_gone(pid: int) -> bool:
             return any(line.split()[:2] == ["State:", "Z"] for line in f)
     except FileNotFoundError:
         return True
-
-
-def log_size(mount: Mount) -> int:
-    return mount.log.stat().st_size if mount.log.exists() else 0
-
-
-def log_since(mount: Mount, offset: int) -> str:
-    with open(mount.log, "rb") as f:
-        f.seek(offset)
-        return f.read().decode(errors="replace")
-
-
-def assert_remount_is_clean(data: Path, mnt: Path, expect: dict[str, bytes] | None = None
-                            ) -> None:
-    """A new daemon logs no recovery and no error, finds ``expect``, and unmounts; fsck is
-    clean."""
-    mount = Mount(data, mnt)
-    offset = log_size(mount)
-    mount.start()
-    try:
-        for name, content in (expect or {}).items():
-            assert (mnt / name).read_bytes() == content, name
-    finally:
-        mount.stop()
-    text = log_since(mount, offset)
-    for marker in RECOVERY_MARKERS:
-        assert marker not in text, f"remount ran recovery:\n{text}"
-    assert " ERROR" not in text and "Traceback" not in text, text
-    assert_fsck_clean(data)
 
 
 def mkfs(data: Path, *args: str) -> None:

@@ -30,8 +30,7 @@ from pathlib import Path
 import pytest
 
 from tierfs.tools import mountinfo
-from tests.conftest import Mount, evict, require_tool
-from tests.test_41_mount_cli import assert_remount_is_clean, lock_is_free
+from tests.conftest import Mount, assert_remount_is_clean, evict, lock_is_free, require_tool
 
 CONNECTIONS = Path("/sys/fs/fuse/connections")
 WARNING = "the kernel aborted the FUSE connection of {}"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Mount, assert_fsck_clean, run_tool
+from tests.conftest import Mount, assert_fsck_clean, log_since, log_size, run_tool
 
 ROUNDS = int(os.environ.get("TIERFS_CRASH_ROUNDS", "50"))
 SEED = int(os.environ.get("TIERFS_CRASH_SEED", str(random.randrange(1 << 30))))
@@ -34,16 +34,6 @@ CHUNK = 4096
 
 
 # --- helpers --------------------------------------------------------------------------------
-
-
-def log_offset(mount: Mount) -> int:
-    return mount.log.stat().st_size if mount.log.exists() else 0
-
-
-def log_since(mount: Mount, offset: int) -> str:
-    with open(mount.log, "rb") as f:
-        f.seek(offset)
-        return f.read().decode(errors="replace")
 
 
 def block_files(data: Path) -> set[str]:
@@ -102,7 +92,7 @@ def crash_and_remount(mount: Mount, helper: subprocess.Popen | None = None,
     if helper is not None:
         finish_helper(helper, what)
     assert os.listdir(mount.mountpoint) == [], "files written beside the dead mount"
-    offset = log_offset(mount)
+    offset = log_size(mount)
     mount.start()
     text = log_since(mount, offset)
     assert RECOVERY_LINE in text, f"the remount ran no recovery:\n{text}"
