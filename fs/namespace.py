@@ -66,13 +66,6 @@ class FsConfig:
     volumes: list[VolumeConfig] = field(default_factory=list)
 
 
-@dataclass(slots=True)
-class DirEntry:
-    cookie: int
-    name: bytes
-    ino: int
-
-
 def check_name(name: bytes) -> None:
     """Names are enforced here so that f_namemax in statfs is the truth."""
     if len(name) > NAME_MAX:
@@ -432,22 +425,26 @@ class Namespace:
                 raise _enoent(f"{name!r} not found in {parent}")
             return self._inode(txn, found[0])
 
-    def readdir(self, parent: int, after_cookie: int, limit: int) -> list[tuple[DirEntry, Inode]]:
-        """Entries with cookie > after_cookie, in cookie order, with their inodes."""
-        out: list[tuple[DirEntry, Inode]] = []
-        start = schema.cookie_key(parent, after_cookie + 1)
+    def readdir(self, parent: int, after_cookie: int, limit: int) -> list[schema.DirRow]:
+        """At most ``limit`` rows for entries with cookie > after_cookie, in cookie order."""
+        out: list[schema.DirRow] = []
+        if limit <= 0:
+            return out
         prefix = u64(parent)
-        inodes = self.db["inodes"]
-        with self.env.begin() as txn, txn.cursor(db=self.db["dircookies"]) as cur:
-            if not cur.set_range(start):
+        dir_row, child_key = schema.dir_row, schema.cookie_value_child_key
+        # The transaction's default database is ``inodes``, so the per-entry get needs no
+        # keyword argument; listing large directories is paid per entry.
+        with self.env.begin(db=self.db["inodes"]) as txn, \
+                txn.cursor(db=self.db["dircookies"]) as cur:
+            if not cur.set_range(schema.cookie_key(parent, after_cookie + 1)):
                 return out
+            get = txn.get
             for key, value in cur:
-                if key[:8] != prefix or len(out) >= limit:
+                if key[:8] != prefix:
                     break
-                child, name = schema.parse_cookie_value(value)
-                raw = txn.get(value[:8], db=inodes)
-                out.append((DirEntry(schema.U64.unpack_from(key, 8)[0], name, child),
-                            Inode.unpack(child, raw)))
+                out.append(dir_row(key, value, get(child_key(value))))
+                if len(out) == limit:
+                    break
         return out
 
     def readlink(self, ino: int) -> bytes:

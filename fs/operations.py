@@ -43,7 +43,8 @@ XATTR_VALUE_MAX = 65536        # Linux XATTR_SIZE_MAX
 XATTR_LIST_MAX = 65536         # Linux XATTR_LIST_MAX
 XATTR_INODE_MAX = 256 * 1024   # names + values stored per inode; beyond it ENOSPC
 XATTR_NAMESPACES = (b"user.", b"trusted.", b"security.")
-READDIR_BATCH = 64  # entries read from the namespace at a time; a reply holds about 25
+READDIR_BATCH = 256  # entries read from the namespace at a time; a READDIRPLUS reply
+                     # (128 KiB) holds about 770 of them
 
 
 def handler(fn):
@@ -117,35 +118,38 @@ class Operations(pyfuse3.Operations):
         return fh
 
     def _entry(self, inode: Inode) -> pyfuse3.EntryAttributes:
-        """Attributes for the kernel; an open file's in-memory length and times win."""
-        e = pyfuse3.EntryAttributes()
-        of = self.blockio.files.get(inode.ino)
-        size, atime, mtime, ctime = inode.size, inode.atime_ns, inode.mtime_ns, inode.ctime_ns
+        return self._attributes(inode.ino, inode.fields())
+
+    def _attributes(self, ino: int, fields: tuple) -> pyfuse3.EntryAttributes:
+        """Attributes for the kernel from an inode's stored fields (``schema.INODE`` order,
+        so readdir can pass a namespace row without building an Inode); an open file's
+        in-memory length and times win."""
+        mode, uid, gid, nlink, size, rdev, atime, mtime, ctime, _parent, _next_cookie = fields
+        of = self.blockio.files.get(ino)
         if of is not None:
             size, atime, mtime, ctime = of.size, of.atime_ns, of.mtime_ns, of.ctime_ns
-        e.st_ino = inode.ino
-        e.generation = 0
+        e = pyfuse3.EntryAttributes()  # zero-filled: generation 0
+        e.st_ino = ino
         e.entry_timeout = CACHE_TIMEOUT
         e.attr_timeout = CACHE_TIMEOUT
-        e.st_mode = inode.mode
-        e.st_nlink = inode.nlink
-        e.st_uid = inode.uid
-        e.st_gid = inode.gid
-        e.st_rdev = inode.rdev
+        e.st_mode = mode
+        e.st_nlink = nlink
+        e.st_uid = uid
+        e.st_gid = gid
+        e.st_rdev = rdev
         e.st_size = size
         e.st_blksize = IO_BLKSIZE
-        e.st_blocks = self._allocated(inode, of) // 512
+        if size and stat.S_ISREG(mode):
+            e.st_blocks = self._allocated(ino, of) // 512
         e.st_atime_ns = atime
         e.st_mtime_ns = mtime
         e.st_ctime_ns = ctime
         return e
 
-    def _allocated(self, inode: Inode, of: OpenFile | None) -> int:
-        """Bytes the file's data takes on disk: what its first replica of each block really
-        allocates (holes, also inside a block, take none), so ``du`` tells the truth."""
-        if not stat.S_ISREG(inode.mode) or (inode.size == 0 and of is None):
-            return 0
-        blocks = of.blocks if of is not None else self.ns.get_blocks(inode.ino)
+    def _allocated(self, ino: int, of: OpenFile | None) -> int:
+        """Bytes a regular file's data takes on disk: what its first replica of each block
+        really allocates (holes, also inside a block, take none), so ``du`` tells the truth."""
+        blocks = of.blocks if of is not None else self.ns.get_blocks(ino)
         total = 0
         for rec in blocks.values():
             volume = self.blockio.volumes.by_id.get(rec.volumes[0]) if rec.volumes else None
@@ -442,16 +446,16 @@ class Operations(pyfuse3.Operations):
         after = max(start_id, 2)
         batch, reaches_end, read_at = self._left_over(handle, after)
         while True:
-            for i, (entry, inode) in enumerate(batch):
-                if not pyfuse3.readdir_reply(token, entry.name, self._entry(inode),
-                                             entry.cookie):
+            for i, (cookie, name, child, fields) in enumerate(batch):
+                if not pyfuse3.readdir_reply(token, name, self._attributes(child, fields),
+                                             cookie):
                     handle.left_over = batch[i:]
                     handle.left_over_after = after
                     handle.left_over_commits = read_at
                     handle.left_over_reach_end = reaches_end
                     return
-                self.lookups[inode.ino] = self.lookups.get(inode.ino, 0) + 1
-                after = entry.cookie
+                self.lookups[child] = self.lookups.get(child, 0) + 1
+                after = cookie
             if reaches_end:
                 return
             read_at = self.ns.commits

@@ -131,10 +131,13 @@ class Inode:
     parent: int
     next_cookie: int = FIRST_COOKIE
 
+    def fields(self) -> tuple:
+        """Everything but ``ino``, in ``INODE`` order: what ``INODE.unpack`` gives back."""
+        return (self.mode, self.uid, self.gid, self.nlink, self.size, self.rdev,
+                self.atime_ns, self.mtime_ns, self.ctime_ns, self.parent, self.next_cookie)
+
     def pack(self) -> bytes:
-        return INODE.pack(self.mode, self.uid, self.gid, self.nlink, self.size, self.rdev,
-                          self.atime_ns, self.mtime_ns, self.ctime_ns, self.parent,
-                          self.next_cookie)
+        return INODE.pack(*self.fields())
 
     @classmethod
     def unpack(cls, ino: int, raw: bytes) -> "Inode":
@@ -173,6 +176,22 @@ def cookie_value(child: int, name: bytes) -> bytes:
 
 def parse_cookie_value(raw) -> tuple[int, bytes]:
     return U64.unpack_from(raw)[0], bytes(raw[8:])
+
+
+def cookie_value_child_key(raw: bytes) -> bytes:
+    """The ``inodes`` key of the entry a ``dircookies`` value names."""
+    return raw[:8]
+
+
+DirRow = tuple[int, bytes, int, tuple]
+"""One readdir row: (cookie, name, child ino, the child's stored fields in ``INODE``
+order). A plain tuple, not a class, because a listing pays for every row."""
+
+
+def dir_row(key: bytes, value: bytes, inode: bytes) -> DirRow:
+    """A readdir row from one ``dircookies`` item (bytes, not buffers) and the ``inodes``
+    value of the child it names."""
+    return U64.unpack_from(key, 8)[0], value[8:], U64.unpack_from(value)[0], INODE.unpack(inode)
 
 
 def backlink_key(child: int, parent: int, name: bytes) -> bytes:

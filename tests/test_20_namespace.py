@@ -13,6 +13,7 @@ import random
 import stat
 import uuid
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import pytest
 
@@ -25,7 +26,7 @@ from tierfs.fs.namespace import (
     FsConfig,
     Namespace,
 )
-from tierfs.fs.schema import ROOT_INO, BlockRecord, Inherited, Op
+from tierfs.fs.schema import ROOT_INO, BlockRecord, Inherited, Inode, Op
 from tierfs.tools.mkfs import NAMESPACE_DIR, make_filesystem
 
 DIR = stat.S_IFDIR | 0o755
@@ -74,12 +75,26 @@ def journal(ns: Namespace) -> dict[int, bytes]:
                 for k, v in txn.cursor(db=ns.db["journal"])}
 
 
+class Row(NamedTuple):
+    """A readdir row with names, for readable assertions."""
+
+    cookie: int
+    name: bytes
+    ino: int
+    inode: Inode
+
+
+def listing(ns: Namespace, parent: int, after: int = 0, limit: int = 1 << 30) -> list[Row]:
+    return [Row(cookie, name, ino, Inode(ino, *fields))
+            for cookie, name, ino, fields in ns.readdir(parent, after, limit)]
+
+
 def names(ns: Namespace, parent: int) -> dict[bytes, int]:
-    return {e.name: e.ino for e, _ in ns.readdir(parent, 0, 1 << 30)}
+    return {e.name: e.ino for e in listing(ns, parent)}
 
 
 def cookies(ns: Namespace, parent: int) -> dict[bytes, int]:
-    return {e.name: e.cookie for e, _ in ns.readdir(parent, 0, 1 << 30)}
+    return {e.name: e.cookie for e in listing(ns, parent)}
 
 
 def nlink(ns: Namespace, ino: int) -> int:
@@ -681,20 +696,21 @@ def test_times_of_names_and_inodes(ns):
 def test_readdir_order_limit_and_resume(ns):
     d = mkdir(ns, ROOT_INO, b"d")
     created = [mkfile(ns, d, b"e%03d" % i) for i in range(50)]
-    everything = ns.readdir(d, 0, 1000)
-    assert [e.ino for e, _ in everything] == created
-    assert [e.cookie for e, _ in everything] == sorted({e.cookie for e, _ in everything})
-    assert min(e.cookie for e, _ in everything) >= schema.FIRST_COOKIE
-    assert all(inode.ino == e.ino for e, inode in everything)
-    first = ns.readdir(d, 0, 7)
+    everything = listing(ns, d, 0, 1000)
+    assert [e.ino for e in everything] == created
+    assert [e.cookie for e in everything] == sorted({e.cookie for e in everything})
+    assert min(e.cookie for e in everything) >= schema.FIRST_COOKIE
+    # each row carries its inode's stored attributes, as get_inode reads them
+    assert [e.inode for e in everything] == [ns.get_inode(i) for i in created]
+    first = listing(ns, d, 0, 7)
     assert len(first) == 7
-    rest = ns.readdir(d, first[-1][0].cookie, 1000)
-    assert [e for e, _ in first + rest] == [e for e, _ in everything]
-    assert ns.readdir(d, everything[-1][0].cookie, 10) == []
+    rest = listing(ns, d, first[-1].cookie, 1000)
+    assert first + rest == everything
+    assert ns.readdir(d, everything[-1].cookie, 10) == []
     assert ns.readdir(d, 0, 0) == []
     # another directory's entries never leak into this one
     mkfile(ns, ROOT_INO, b"zz")
-    assert [e.name for e, _ in ns.readdir(d, 0, 1000)] == [b"e%03d" % i for i in range(50)]
+    assert [e.name for e in listing(ns, d, 0, 1000)] == [b"e%03d" % i for i in range(50)]
 
 
 def test_readdir_stable_offsets_under_concurrent_changes(ns):
@@ -710,13 +726,13 @@ def test_readdir_stable_offsets_under_concurrent_changes(ns):
     after = 0
     counter = 0
     while True:
-        batch = ns.readdir(d, after, rng.randint(1, 13))
+        batch = listing(ns, d, after, rng.randint(1, 13))
         if not batch:
             break
-        for entry, _ in batch:
+        for entry in batch:
             seen.append(entry.name)
             seen_cookies.append(entry.cookie)
-        after = batch[-1][0].cookie
+        after = batch[-1].cookie
         # between batches: remove some entries (listed or not), add new ones, rename some
         current = sorted(names(ns, d))
         for name in rng.sample(current, k=min(len(current), rng.randint(0, 3))):
@@ -750,9 +766,9 @@ def test_readdir_of_a_directory_with_many_entries_in_batches(ns):
         mkfile(ns, d, name)
     got: list[bytes] = []
     after = 0
-    while batch := ns.readdir(d, after, 256):
-        got += [e.name for e, _ in batch]
-        after = batch[-1][0].cookie
+    while batch := listing(ns, d, after, 256):
+        got += [e.name for e in batch]
+        after = batch[-1].cookie
     assert len(got) == len(expected) and set(got) == expected
 
 

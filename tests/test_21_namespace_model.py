@@ -34,7 +34,7 @@ from hypothesis.stateful import (
 from tierfs.fs import schema
 from tierfs.fs.errors import FsError
 from tierfs.fs.namespace import RENAME_EXCHANGE, RENAME_NOREPLACE, FsConfig, Namespace
-from tierfs.fs.schema import ROOT_INO, Inherited
+from tierfs.fs.schema import ROOT_INO, Inherited, Inode
 
 NAMES = [b"a", b"b", b"c", b"d", b"e"]
 NOW = 1_700_000_000_000_000_000
@@ -408,17 +408,19 @@ class NamespaceModel(RuleBasedStateMachine):
 
     # --- invariants ---------------------------------------------------------------------------
 
-    def _listing(self, ino: int) -> list:
-        return self.ns.readdir(ino, 0, 1 << 20)
+    def _listing(self, ino: int) -> list[tuple[int, bytes, Inode]]:
+        """(cookie, name, inode) per entry, the inode as readdir's row carries it."""
+        return [(cookie, name, Inode(child, *fields))
+                for cookie, name, child, fields in self.ns.readdir(ino, 0, 1 << 20)]
 
     @invariant()
     def tree_matches(self):
         def walk_ns(ino, prefix, out):
-            for entry, inode in self._listing(ino):
-                path = prefix + b"/" + entry.name
-                out[path] = (entry.ino, stat.S_IFMT(inode.mode))
+            for _, name, inode in self._listing(ino):
+                path = prefix + b"/" + name
+                out[path] = (inode.ino, stat.S_IFMT(inode.mode))
                 if stat.S_ISDIR(inode.mode):
-                    walk_ns(entry.ino, path, out)
+                    walk_ns(inode.ino, path, out)
             return out
 
         def walk_model(ino, prefix, out):
@@ -435,20 +437,21 @@ class NamespaceModel(RuleBasedStateMachine):
     def readdir_matches_every_directory(self):
         for d, entries in self.children.items():
             listing = self._listing(d)
-            assert sorted(e.name for e, _ in listing) == sorted(entries)
-            cookies = [e.cookie for e, _ in listing]
+            assert sorted(name for _, name, _ in listing) == sorted(entries)
+            cookies = [cookie for cookie, _, _ in listing]
             assert cookies == sorted(set(cookies))
-            for entry, _ in listing:
-                known = self.cookie.get((d, entry.name))
+            for cookie, name, _ in listing:
+                known = self.cookie.get((d, name))
                 if known is None:
-                    assert entry.cookie > self.max_cookie.get(d, 0), (
-                        f"new entry {entry.name!r} in {d} reuses an old cookie")
-                    self.cookie[d, entry.name] = entry.cookie
-                    self.max_cookie[d] = entry.cookie
+                    assert cookie > self.max_cookie.get(d, 0), (
+                        f"new entry {name!r} in {d} reuses an old cookie")
+                    self.cookie[d, name] = cookie
+                    self.max_cookie[d] = cookie
                 else:
-                    assert entry.cookie == known, f"{entry.name!r} in {d} changed cookie"
-            for entry, inode in listing:
-                assert entry.ino == inode.ino == entries[entry.name]
+                    assert cookie == known, f"{name!r} in {d} changed cookie"
+            for _, name, inode in listing:
+                assert inode.ino == entries[name]
+                assert inode == self.ns.get_inode(inode.ino), "readdir's attributes are stale"
             # lookup agrees with readdir, also for names that are not there
             for name in NAMES:
                 if name in entries:
