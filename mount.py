@@ -176,7 +176,7 @@ def shutdown(ops: Operations, blockio: BlockIO, ns: Namespace) -> None:
     orphans, mark clean."""
     for of in list(blockio.files.values()):
         blockio.persist(of, drop_lease=of.leased)
-        blockio.close_all(of)
+        blockio.retire_replicas(of)
     blockio.files.clear()
     for ino in ns.orphans():
         ns.purge(ino)

@@ -26,6 +26,8 @@ from __future__ import annotations
 import errno
 import logging
 import time
+from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -65,9 +67,13 @@ class OpenFile:
     bumped: set[int] = field(default_factory=set)     # blocks this write session re-stamped
     dirty: set[int] = field(default_factory=set)      # block lengths not yet persisted
     unsynced: set[int] = field(default_factory=set)   # blocks written since the last fsync
-    # Replicas replaced or dropped while the file is open; a read in a worker thread may
-    # still use one, so they are closed only when the last user releases the file.
+    # Replicas replaced or dropped while the file is open. Each is closed as soon as no
+    # worker thread uses it (``pinned``): a thread must never meet a closed descriptor (or
+    # its number reused by another file), and a file kept open through many truncates
+    # must not pile up descriptors.
     retired: list[Replica] = field(default_factory=list)
+    pinned: Counter = field(default_factory=Counter)  # Replica -> worker threads using it
+    truncations: int = 0  # shrinks so far: a read that raced one plans again
     lock: trio.Lock = field(default_factory=trio.Lock)
 
 
@@ -131,21 +137,44 @@ class BlockIO:
                 self.persist(of)
         finally:  # a failed persist (disk full) must not keep the file open forever
             if of.users == 0:
-                self.close_all(of)
+                self.retire_replicas(of)
                 del self.files[of.ino]
                 if not of.unsynced:
                     self.unsynced.pop(of.ino, None)
 
-    def close_all(self, of: OpenFile) -> None:
-        self.retire_replicas(of)
-        for replica in of.retired:
-            replica.close()
-        of.retired.clear()
-
     def retire_replicas(self, of: OpenFile, indexes=None) -> None:
+        """Stop using the open replicas of these blocks (all: None); the next use of a
+        block opens them afresh."""
         for index in list(of.replicas) if indexes is None else indexes:
-            of.retired.extend(of.replicas.pop(index, []))
+            self._retire(of, of.replicas.pop(index, []))
             of.writable.discard(index)
+
+    def _retire(self, of: OpenFile, replicas: list[Replica]) -> None:
+        of.retired.extend(replicas)
+        self._close_retired(of)
+
+    def _close_retired(self, of: OpenFile) -> None:
+        """Close every retired replica that no worker thread is using now."""
+        if of.retired:
+            busy = [r for r in of.retired if of.pinned[r]]
+            for replica in of.retired:
+                if not of.pinned[replica]:
+                    replica.close()
+            of.retired = busy
+
+    @contextmanager
+    def _pinned(self, of: OpenFile, replicas):
+        """Keep ``replicas`` open while a worker thread uses them, even if retired meanwhile
+        (the trio thread goes on serving writes and truncates of the file)."""
+        of.pinned.update(replicas)
+        try:
+            yield
+        finally:
+            for replica in replicas:
+                of.pinned[replica] -= 1
+                if not of.pinned[replica]:
+                    del of.pinned[replica]
+            self._close_retired(of)
 
     # --- persistence --------------------------------------------------------------------------
 
@@ -171,7 +200,8 @@ class BlockIO:
             replicas = [r for i in sorted(of.unsynced) if i in of.blocks
                         for r in self._replicas(of, i, writable=i in of.writable)]
             of.unsynced.clear()
-            await trio.to_thread.run_sync(self._sync_replicas_and_namespace, replicas)
+            with self._pinned(of, replicas):
+                await trio.to_thread.run_sync(self._sync_replicas_and_namespace, replicas)
 
     def _sync_replicas_and_namespace(self, replicas: list[Replica]) -> None:
         for replica in replicas:
@@ -243,7 +273,8 @@ class BlockIO:
         thread, so a cached read pays for no thread hop and a disk read does not hold up
         other requests (measured: README, "Speed").
         """
-        for attempt in (1, 2):
+        while True:
+            truncations = of.truncations
             plan = self._plan_read(of, offset, size)
             if not plan:
                 return b""
@@ -255,29 +286,29 @@ class BlockIO:
                 if data is None:
                     bad.clear()  # the thread tries every replica again and reports anew
                     short.clear()
-                    data = await trio.to_thread.run_sync(_execute_read, plan, of.ino, bad,
-                                                         short)
+                    with self._pinned(of, _plan_replicas(plan)):
+                        data = await trio.to_thread.run_sync(_execute_read, plan, of.ino,
+                                                             bad, short)
                 return data
             except _ShortRead as exc:
-                if attempt == 1 and self._shrunk(of, exc.index, exc.planned_end):
-                    continue  # truncated while the read ran: plan it again
+                if of.truncations != truncations:
+                    continue  # truncated (perhaps regrown) while the read ran: plan again
                 raise FsError(errno.EIO, f"no complete replica of block {exc.block_id} of "
                                          f"inode {of.ino}") from None
             finally:
-                self._report_read_failures(of, bad, short)
-        raise AssertionError("unreachable")
+                self._report_read_failures(of, bad, short, of.truncations != truncations)
 
-    def _shrunk(self, of: OpenFile, index: int, planned_end: int) -> bool:
-        rec = of.blocks.get(index)
-        return rec is None or rec.length < planned_end
-
-    def _report_read_failures(self, of: OpenFile, bad: list, short: list) -> None:
+    def _report_read_failures(self, of: OpenFile, bad: list, short: list,
+                              truncated: bool) -> None:
         """Bad replicas go to the monitor. A replica shorter than planned is bad only if
-        the block did not shrink meanwhile (a truncate racing a read is not damage)."""
+        the file was not truncated meanwhile (a truncate racing a read is not damage, even
+        when the file grew back before the read returned)."""
         for index, volume_id, reason in bad:
             self.on_bad_replica(of.ino, index, volume_id, reason)
+        if truncated:
+            return
         for index, volume_id, planned_end in short:
-            if not self._shrunk(of, index, planned_end):
+            if index in of.blocks:
                 reason = f"replica shorter than its block's {of.blocks[index].length} bytes"
                 log.error("read of block %d of inode %d from volume %d failed: %s", index,
                           of.ino, volume_id, reason)
@@ -297,7 +328,8 @@ class BlockIO:
             if rec is None or boff >= rec.length:
                 plan.append(count)
             else:
-                replicas = self._replicas(of, index, writable=index in of.writable)
+                # a tuple: a write may change the block's list while a thread reads
+                replicas = tuple(self._replicas(of, index, writable=index in of.writable))
                 plan.append((replicas, boff, min(count, rec.length - boff), count,
                              rec.block_id, index))
             pos += count
@@ -367,7 +399,7 @@ class BlockIO:
         if failed:
             replicas = [r for r in replicas if r not in failed]
             of.replicas[index] = replicas
-            of.retired.extend(failed)
+            self._retire(of, failed)
             self._drop_from_pipeline(of, index, replicas, [r.volume.id for r in failed])
             failed = []
         if index not in of.bumped:
@@ -384,7 +416,7 @@ class BlockIO:
                 failed.append(replica)
         if failed:
             of.replicas[index] = good
-            of.retired.extend(failed)
+            self._retire(of, failed)
             self._drop_from_pipeline(of, index, good, [r.volume.id for r in failed])
         if boff + len(piece) > rec.length:
             rec.length = boff + len(piece)
@@ -408,7 +440,7 @@ class BlockIO:
         if failed:
             good = [r for r in replicas if r not in failed]
             of.replicas[index] = good
-            of.retired.extend(failed)
+            self._retire(of, failed)
             replicas[:] = good
             self.ns.drop_replicas(of.ino, index, tuple(r.volume.id for r in failed), gs)
             of.blocks[index].volumes = tuple(r.volume.id for r in good)
@@ -465,6 +497,7 @@ class BlockIO:
         crash at any step is completed by recovery to exactly that size (never the old
         size with zeros where cut data was); persist() clears the mark with the size."""
         self.ns.take_lease(of.ino, self.session, now, truncate_to=new_size)
+        of.truncations += 1
         bs = self.block_size
         keep = -(-new_size // bs)
         last = keep - 1
@@ -498,6 +531,10 @@ class BlockIO:
     def delete_trash(self, trash) -> None:
         """Delete the files of replicas the namespace already dropped, then forget them."""
         self.ns.trash_done(self.volumes.delete_replicas(trash))
+
+
+def _plan_replicas(plan: list) -> list[Replica]:
+    return [r for segment in plan if not isinstance(segment, int) for r in segment[0]]
 
 
 class _ShortRead(Exception):

@@ -489,3 +489,31 @@ def test_writer_beside_report_and_fsck(replicated, tmp_path):
     assert check.returncode == 0, check.stdout
     for i in range(8):
         assert f"/w/w{i} {100000 + i} bytes, replication=2" in check.stdout
+
+
+# --- descriptors of a file held open through truncates ---------------------------------------
+
+def test_a_file_held_open_through_truncates_does_not_pile_up_descriptors(replicated):
+    """Each truncate drops blocks and each rewrite makes new ones; the dropped replicas'
+    files must be closed at once, not when the file is last closed. Before, a file kept
+    open (a log rotated with ftruncate, fsx) leaked two descriptors per dropped replica
+    until the daemon hit its descriptor limit and every new block failed with EIO."""
+    path = replicated.mountpoint / "rotated"
+    fds = lambda: len(os.listdir(f"/proc/{replicated.pid}/fd"))
+    chunk = content(31, 3 * BLOCK)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, chunk)
+        os.fsync(fd)
+        before = fds()
+        for _ in range(100):  # 100 x 3 blocks x 2 replicas dropped: 1,200 descriptors before
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, chunk, 0)
+            os.fsync(fd)
+            assert os.pread(fd, 10, BLOCK) == chunk[BLOCK:BLOCK + 10]
+        after = fds()
+    finally:
+        os.close(fd)
+    assert after - before < 20, f"daemon descriptors grew from {before} to {after}"
+    assert path.read_bytes() == chunk
+    time.sleep(0.2)  # let the RELEASE be answered before the fixture unmounts
