@@ -173,16 +173,28 @@ def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:
 def shutdown(ops: Operations, blockio: BlockIO, ns: Namespace) -> None:
     """After unmount the kernel has forgotten every inode and closed every handle: persist
     what is open and close its lease (nothing needs recovery after a clean stop), purge
-    orphans, mark clean."""
+    orphans, mark clean. When the namespace cannot take it (its disk is full), the
+    namespace stays marked mounted: the next mount recovers the leases and orphans left."""
+    failed = False
     for of in list(blockio.files.values()):
-        blockio.persist(of, drop_lease=of.leased)
         blockio.retire_replicas(of)
+        try:
+            blockio.persist(of, drop_lease=of.leased)
+        except FsError as exc:
+            log.error("inode %d: size and times not persisted at unmount: %s", of.ino, exc)
+            failed = True
     blockio.files.clear()
-    for ino in ns.orphans():
-        ns.purge(ino)
-        blockio.delete_trash(ns.last_trash)
-    delete_trash(ns, blockio.volumes)
-    ns.set_state("clean")
+    try:
+        for ino in ns.orphans():
+            ns.purge(ino)
+            blockio.delete_trash(ns.last_trash)
+        delete_trash(ns, blockio.volumes)
+        if not failed:
+            ns.set_state("clean")
+            return
+    except FsError as exc:
+        log.error("orphans not purged at unmount: %s", exc)
+    log.error("unmounted uncleanly: the next mount recovers what was left open")
 
 
 async def serve(ops: Operations, blockio: BlockIO, ns: Namespace, mountpoint: str) -> None:
@@ -204,11 +216,24 @@ async def _tune_after_init(ops: Operations, mountpoint: str) -> None:
 
 
 async def _tick(blockio: BlockIO, ns: Namespace) -> None:
-    """Metadata reaches disk within about a second (DESIGN.md section 3)."""
+    """Metadata reaches disk within about a second (DESIGN.md section 3). When it cannot
+    (the namespace's disk is full), the open files keep it in memory and the next tick
+    tries again: the mount goes on, and fsync reports the error to whoever asks for
+    durability."""
+    failing = None
     while True:
         await trio.sleep(TICK_SECONDS)
-        blockio.persist_all()
-        await trio.to_thread.run_sync(ns.sync)
+        try:
+            blockio.persist_all()
+            await trio.to_thread.run_sync(ns.sync)
+        except FsError as exc:
+            if str(exc) != failing:
+                log.error("metadata not persisted (retried every second): %s", exc)
+            failing = str(exc)
+        else:
+            if failing is not None:
+                log.info("metadata persisted again")
+            failing = None
 
 
 async def _signals(mountpoint: str) -> None:

@@ -10,11 +10,12 @@ worker thread; it shares nothing with the trio thread but the replica files.
 
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 
 from tierfs.backends.volume import Volume
-from tierfs.fs.errors import FsError
+from tierfs.fs.errors import FsError, VolumeError
 
 COPY_CHUNK = 1 << 20
 
@@ -37,12 +38,18 @@ def copy_replica(source: Volume, target: Volume, block_id: int, gs: int) -> int:
                 open(tmp_meta, "wb") as meta_out:
             meta_out.write(meta_in.read())
         target.install_replica(block_id, gs, tmp_data, tmp_meta)
-    except BaseException:
+    except BaseException as exc:
         for leftover in (tmp_data, tmp_meta):
             try:
                 os.unlink(leftover)
             except FileNotFoundError:
                 pass
+        if isinstance(exc, OSError):
+            # e.g. a writer re-stamped the block meanwhile (its meta file was renamed), or
+            # the target is full: the caller retries; it is not a bug of the daemon
+            raise VolumeError(f"copy of blk_{block_id}_{gs} from {source.path} to "
+                              f"{target.path} failed: {exc.strerror or exc}",
+                              exc.errno or errno.EIO) from exc
         raise
     finally:
         replica.close()

@@ -166,7 +166,10 @@ class Namespace:
 
     def sync(self) -> None:
         """Force every committed transaction to disk (fsync, syncfs, the 1 s tick)."""
-        self.env.sync(True)
+        try:
+            self.env.sync(True)
+        except lmdb.Error as exc:
+            raise self._lmdb_error(exc) from None
 
     def _load_config(self) -> FsConfig:
         with self.env.begin() as txn:

@@ -15,7 +15,9 @@ already chosen and the *replication* fallbacks, the volume within a type by free
 volume the block does not use yet. A copy is verified and installed durably
 (``backends/copy.py``) and recorded only if the block's GS did not change meanwhile. Blocks of
 files open for writing wait (the "auth pin" holds off the copy). Work that cannot be done
-now (no room, copy failed) is retried with a back-off; fsck reports what remains.
+now (no room, copy failed) is retried with a back-off; fsck reports what remains. So is
+an unexpected error, logged with its traceback: background work must never end the mount,
+which would lose what open files hold in memory.
 """
 
 from __future__ import annotations
@@ -105,9 +107,12 @@ class ReplicationMonitor:
                 self.avoid.pop(key, None)
                 self.failures.pop(key, None)
                 self.retry_at.pop(key, None)
-            except FsError as exc:
+            except Exception as exc:  # noqa: BLE001 - background work must not end the mount
                 reason = copy_error(exc)
-                if self.failures.get(key) != reason:
+                if not isinstance(exc, FsError):
+                    log.exception("replication of block %d of inode %d failed unexpectedly",
+                                  index, ino)
+                elif self.failures.get(key) != reason:
                     log.warning("replication of block %d of inode %d: %s", index, ino, reason)
                 self.failures[key] = reason
                 self.retry_at[key] = time.monotonic() + RETRY_SECONDS
@@ -187,6 +192,9 @@ class ReplicationMonitor:
         try:
             await trio.to_thread.run_sync(copy_replica, source, target, block_id, gs)
         except FsError as exc:
+            now = self._record(ino, index)
+            if now is None or now.gs != gs:  # a writer re-stamped it (and renamed its files)
+                raise FsError(errno.EAGAIN, "block changed during the copy; retrying") from exc
             if isinstance(exc, ChecksumError):
                 self.report_bad(ino, index, source.id, str(exc))
             else:
