@@ -187,8 +187,8 @@ def shutdown(ops: Operations, blockio: BlockIO, ns: Namespace) -> None:
     try:
         for ino in ns.orphans():
             ns.purge(ino)
-            blockio.delete_trash(ns.last_trash)
-        delete_trash(ns, blockio.volumes)
+        blockio.deferred_trash.clear()
+        delete_trash(ns, blockio.volumes)  # every trash row, after a sync
         if not failed:
             ns.set_state("clean")
             return
@@ -225,7 +225,7 @@ async def _tick(blockio: BlockIO, ns: Namespace) -> None:
         await trio.sleep(TICK_SECONDS)
         try:
             blockio.persist_all()
-            await trio.to_thread.run_sync(ns.sync)
+            await blockio.sync_namespace()
         except FsError as exc:
             if str(exc) != failing:
                 log.error("metadata not persisted (retried every second): %s", exc)

@@ -17,8 +17,11 @@ Durability rules (DESIGN.md sections 3-4):
 - lengths, sizes and times of open files are kept in memory and persisted on fsync,
   release, when a block fills and by the one-second tick (close() sends no FLUSH: see
   ``Operations.flush``);
-- dropped blocks go to the namespace trash in the dropping transaction; their files are
-  deleted after the commit.
+- dropped replicas go to the namespace trash in the dropping transaction. Replicas dropped
+  from a block that lives on are deleted right after the commit; whole blocks dropped by a
+  truncate or an unlink only once that commit is on disk (the next namespace sync, within
+  about a second), so that a power loss cannot bring back a namespace that still refers to
+  their deleted files (``defer_trash``).
 """
 
 from __future__ import annotations
@@ -94,6 +97,8 @@ class BlockIO:
         # Told about blocks that need replication work: (ino, index), e.g. a new block
         # placed only on transient volumes, or a replica dropped from a write pipeline.
         self.on_needs_replication: Callable[[int, int], None] = lambda ino, index: None
+        # Trash rows of whole blocks dropped by commits not yet synced (``defer_trash``).
+        self.deferred_trash: list = []
         # Told about a replica a read could not use: (ino, index, volume id, reason).
         self.on_bad_replica: Callable[[int, int, int, str], None] = lambda *a: None
 
@@ -201,18 +206,55 @@ class BlockIO:
                         for r in self._replicas(of, i, writable=i in of.writable)]
             of.unsynced.clear()
             with self._pinned(of, replicas):
-                await trio.to_thread.run_sync(self._sync_replicas_and_namespace, replicas)
+                await self._sync_namespace_after(self._fsync_replicas, replicas)
 
-    def _sync_replicas_and_namespace(self, replicas: list[Replica]) -> None:
+    @staticmethod
+    def _fsync_replicas(replicas: list[Replica]) -> None:
         for replica in replicas:
             replica.fsync()
-        self.ns.sync()
 
     async def sync_all(self) -> None:
         """syncfs: every open file's data and the whole namespace."""
         for of in list(self.files.values()):
             await self.fsync(of)
-        await trio.to_thread.run_sync(self.ns.sync)
+        await self.sync_namespace()
+
+    async def sync_namespace(self) -> None:
+        """Make every committed transaction durable (fsyncdir, the one-second tick)."""
+        await self._sync_namespace_after(lambda: None)
+
+    async def _sync_namespace_after(self, work: Callable, *args) -> None:
+        """In a worker thread: ``work(*args)``, then sync the namespace. Then delete the
+        files of the whole blocks dropped by the transactions that sync made durable."""
+        synced, self.deferred_trash = self.deferred_trash, []
+        try:
+            await trio.to_thread.run_sync(_then_sync, work, args, self.ns)
+        except BaseException:
+            self.deferred_trash[:0] = synced
+            raise
+        self._delete_synced(synced)
+
+    def sync_namespace_now(self) -> bool:
+        """The same, in the event loop: for a write that found no room while deleted
+        blocks still hold space. Returns whether any files were deleted."""
+        if not self.deferred_trash:
+            return False
+        synced, self.deferred_trash = self.deferred_trash, []
+        try:
+            self.ns.sync()
+        except BaseException:
+            self.deferred_trash[:0] = synced
+            raise
+        self._delete_synced(synced)
+        return True
+
+    def _delete_synced(self, trash) -> None:
+        """The drop is durable: a failure to delete its files is not the caller's (the
+        trash rows stay, and the next mount deletes them)."""
+        try:
+            self.delete_trash(trash)
+        except FsError as exc:
+            log.warning("replica files of dropped blocks left for the next mount: %s", exc)
 
     # --- replicas ------------------------------------------------------------------------------
 
@@ -356,10 +398,14 @@ class BlockIO:
                 index, boff = divmod(offset + pos, bs)
                 count = min(bs - boff, total - pos)
                 piece = view[pos:pos + count]
-                if index in of.blocks:
-                    self._write_existing(of, index, boff, piece)
-                else:
-                    self._write_new_block(of, index, boff, piece)
+                try:
+                    self._write_piece(of, index, boff, piece)
+                except FsError as exc:
+                    # no room: maybe only until the blocks a truncate or unlink just
+                    # dropped are deleted (they wait for the namespace sync)
+                    if exc.errno != errno.ENOSPC or not self.sync_namespace_now():
+                        raise
+                    self._write_piece(of, index, boff, piece)
                 of.dirty.add(index)
                 of.unsynced.add(index)
                 pos += count
@@ -377,6 +423,12 @@ class BlockIO:
         if (offset + pos) % bs == 0:
             self.persist(of)  # a block filled: its length reaches the namespace
         return pos
+
+    def _write_piece(self, of: OpenFile, index: int, boff: int, piece) -> None:
+        if index in of.blocks:
+            self._write_existing(of, index, boff, piece)
+        else:
+            self._write_new_block(of, index, boff, piece)
 
     def _write_existing(self, of: OpenFile, index: int, boff: int, piece) -> None:
         self._lease(of)
@@ -487,23 +539,36 @@ class BlockIO:
             self._lease(of)
             now = time.time_ns()
             if new_size < of.size:
+                # The lease first records the target size, so a crash at any step is
+                # completed by recovery to exactly that size (never the old size with
+                # zeros where cut data was); persist() clears the mark with the size. A
+                # block cut in place needs that record on disk first: a power loss could
+                # otherwise keep the cut replica and lose the truncate.
+                self.ns.take_lease(of.ino, self.session, now, truncate_to=new_size)
+                if self._cut_in_place(of, new_size) is not None:
+                    await trio.to_thread.run_sync(self.ns.sync)
                 self._shrink(of, new_size, now)
             of.size = new_size
             of.mtime_ns = of.ctime_ns = now
             self.persist(of)
 
+    def _cut_in_place(self, of: OpenFile, new_size: int) -> int | None:
+        """Index of the block a truncate to ``new_size`` cuts short (None: it only drops
+        whole blocks)."""
+        last = -(-new_size // self.block_size) - 1
+        rec = of.blocks.get(last)
+        cut_at = new_size - last * self.block_size
+        return last if rec is not None and rec.length > cut_at else None
+
     def _shrink(self, of: OpenFile, new_size: int, now: int) -> None:
-        """Cut the file to ``new_size``. The lease first records the target size, so a
-        crash at any step is completed by recovery to exactly that size (never the old
-        size with zeros where cut data was); persist() clears the mark with the size."""
-        self.ns.take_lease(of.ino, self.session, now, truncate_to=new_size)
+        """Cut the file to ``new_size`` (the lease already records the target)."""
         of.truncations += 1
         bs = self.block_size
         keep = -(-new_size // bs)
-        last = keep - 1
-        cut_at = new_size - last * bs
-        rec = of.blocks.get(last)
-        if rec is not None and rec.length > cut_at:
+        last = self._cut_in_place(of, new_size)
+        if last is not None:
+            rec = of.blocks[last]
+            cut_at = new_size - last * bs
             replicas = self._replicas(of, last, writable=True)
             if last not in of.bumped:
                 self._bump(of, last, replicas)
@@ -520,7 +585,7 @@ class BlockIO:
             of.unsynced.discard(index)
             of.bumped.discard(index)
         if dropped:
-            self.delete_trash(self.ns.truncate_blocks(of.ino, keep, new_size, now))
+            self.defer_trash(self.ns.truncate_blocks(of.ino, keep, new_size, now))
 
     # --- deletion of replica files ---------------------------------------------------------------
 
@@ -530,7 +595,17 @@ class BlockIO:
 
     def delete_trash(self, trash) -> None:
         """Delete the files of replicas the namespace already dropped, then forget them."""
-        self.ns.trash_done(self.volumes.delete_replicas(trash))
+        if trash:
+            self.ns.trash_done(self.volumes.delete_replicas(trash))
+
+    def defer_trash(self, trash) -> None:
+        """Whole blocks dropped: delete their files after the next namespace sync."""
+        self.deferred_trash.extend(trash)
+
+
+def _then_sync(work: Callable, args: tuple, ns: Namespace) -> None:
+    work(*args)
+    ns.sync()
 
 
 def _plan_replicas(plan: list) -> list[Replica]:

@@ -34,7 +34,9 @@ NAME_MAX = 255
 INITIAL_MAP_SIZE = 64 << 20
 MAX_MAP_SIZE = 1 << 40
 # Block ids and generation stamps are reserved from the durable counters in batches so a
-# new block costs one transaction; skipped numbers are simply never used.
+# new block costs one transaction; skipped numbers are simply never used. Each batch is
+# synced before use: numbers handed out reach replica files (names, meta headers) on disk,
+# and must never be handed out again after a power loss.
 ID_BATCH = 256
 
 
@@ -879,6 +881,7 @@ class Namespace:
             def body(w: _Write) -> int:
                 return self._take(w.txn, counter, ID_BATCH)
             first = self._mutate(Op.SET_GS, (counter, ID_BATCH), body)
+            self.sync()
             if counter == "gs":
                 first += 1  # the counter holds the last stamp handed out
             nxt, end = first, first + ID_BATCH

@@ -171,14 +171,9 @@ class Operations(pyfuse3.Operations):
         return self.lookups.get(ino, 0) > 0 or ino in self.blockio.files
 
     def _after_unlink(self) -> None:
-        """Delete the files of replicas the last transaction purged. The unlink itself is
-        committed: a failure here must not be reported as its failure (the trash row stays
-        and is retried at the next mount)."""
-        if self.ns.last_trash:
-            try:
-                self.blockio.delete_trash(self.ns.last_trash)
-            except FsError as exc:
-                log.warning("replica files left for the next mount: %s", exc)
+        """The files of the blocks the last transaction purged are deleted once it is on
+        disk (``BlockIO.defer_trash``)."""
+        self.blockio.defer_trash(self.ns.last_trash)
 
     def _maybe_purge(self, ino: int) -> None:
         if self._busy(ino) or ino == ROOT_INO:
@@ -479,7 +474,7 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def fsyncdir(self, fh, datasync):
-        await trio.to_thread.run_sync(self.ns.sync)
+        await self.blockio.sync_namespace()
 
     @handler
     async def statfs(self, ctx):

@@ -17,7 +17,8 @@ What a crash can leave, and what repairs it:
 crash between ...                      state found, and repair
 =====================================  ================================================
 block files fsynced / block recorded   orphan files: removed by the volume scan (4)
-meta renamed to new GS / GS recorded   replica GS > namespace GS: adopted in (2)
+meta renamed to new GS / GS recorded   replica GS > namespace GS: adopted in (2), or
+                                       in (4) when the lease was not on disk either
 data pwrite / meta CRC pwrite          a chunk fails its CRC: re-checksummed below the
                                        persisted length, the length stops there above it
 block dropped / files deleted          trash entry: files deleted in (1)
@@ -49,6 +50,7 @@ class RecoveryReport:
     orphan_replicas_removed: int = 0
     stale_meta_removed: int = 0
     stale_replicas_dropped: int = 0
+    newer_replicas_adopted: int = 0
     chunks_rechecksummed: int = 0
     missing_replicas: list[str] = field(default_factory=list)
 
@@ -58,7 +60,9 @@ class RecoveryReport:
 
 
 def delete_trash(ns: Namespace, volumes: VolumeSet) -> int:
-    """Every pending trash row whose volumes are there; returns how many were done."""
+    """Every pending trash row whose volumes are there; returns how many were done. The
+    namespace is synced first: files are never deleted before the drop is on disk."""
+    ns.sync()
     done = volumes.delete_replicas(ns.trash())
     ns.trash_done(done)
     return len(done)
@@ -292,8 +296,13 @@ def scan_volumes(ns: Namespace, volumes: VolumeSet, report: RecoveryReport) -> N
     namespace's, or that lacks its data or meta file, is never served: its files are
     deleted and the volume is dropped from the block, so the replication monitor restores
     the replica count. Older meta files beside a current one are simply removed.
+
+    A replica with a newer generation stamp than the namespace's was re-stamped by a write
+    session whose transactions (the new GS, the lease) did not reach the disk before a
+    power loss: its file is settled like a leased one, adopting the newest replicas.
     """
     stale: list[tuple[bytes, int, int]] = []  # (block key, volume id, block id)
+    newer: set[int] = set()  # inodes with a replica newer than the namespace knows
     with ns.env.begin() as txn:
         for volume in volumes:
             by_block: dict[int, list] = defaultdict(list)
@@ -312,7 +321,9 @@ def scan_volumes(ns: Namespace, volumes: VolumeSet, report: RecoveryReport) -> N
                     continue
                 rec = BlockRecord.unpack(rec_raw)
                 gss = {i.gs for i in infos if i.gs is not None}
-                if rec.gs in gss and any(i.data_path for i in infos):
+                if max(gss, default=0) > rec.gs and any(i.data_path for i in infos):
+                    newer.add(schema.split_block_key(owner)[0])
+                elif rec.gs in gss and any(i.data_path for i in infos):
                     for info in infos:
                         if info.gs is not None and info.gs < rec.gs:
                             _unlink(info.meta_path)
@@ -327,6 +338,11 @@ def scan_volumes(ns: Namespace, volumes: VolumeSet, report: RecoveryReport) -> N
         log.warning("stale replica of block %d on volume %d removed", block_id, volume_id)
     if stale:
         delete_trash(ns, volumes)
+    for ino in sorted(newer):
+        log.warning("inode %d has replicas newer than the namespace (a write session's "
+                    "transactions were lost): settling it from them", ino)
+        recover_lease(ns, volumes, ino, report)
+        report.newer_replicas_adopted += 1
 
 
 def _unlink(path) -> None:
