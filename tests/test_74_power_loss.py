@@ -106,3 +106,28 @@ def test_truncate_that_cuts_a_block_in_place_is_completed_after_a_power_loss(fs,
     power_loss(fs, disk)
     assert fs.getattr(ino).st_size == 10
     assert read_file(fs, ino, 3 * BS) == payload[:10]
+
+
+def test_space_of_dropped_blocks_is_there_for_the_next_write_at_once(tmp_path):
+    """Deleting dropped blocks only after the sync must not make a full volume refuse a
+    write that the deletion makes room for: ``rm big; cp other big`` on a nearly full
+    volume, or an O_TRUNC rewrite. The write syncs at once and frees them."""
+    from tierfs.backends.storage_types import StorageType
+    from tierfs.tools.mkfs import VolumeSpec, make_filesystem
+    data, mnt = tmp_path / "data", tmp_path / "mnt"
+    mnt.mkdir()
+    make_filesystem(data, [VolumeSpec(StorageType.DISK, data / "disk", 5 * BS)],
+                    block_size=BS, bytes_per_checksum=4096)
+    fs = FS(data, mnt)
+    try:
+        big = os.urandom(4 * BS)
+        ino = write_file(fs, b"big", big)
+        fs.call(fs.ops.unlink, ROOT_INO, b"big", fs.ctx)
+        fs.forget(ino)
+        ino = write_file(fs, b"again", big)  # before the tick: the old blocks still there
+        fh = fs.open(ino, os.O_WRONLY | os.O_TRUNC)
+        assert fs.write(fh, 0, big) == len(big)
+        fs.release(fh)
+        assert read_file(fs, ino, 5 * BS) == big
+    finally:
+        fs.stop()
