@@ -3,6 +3,7 @@ records that could not be read back, a partial ENOSPC write leaving blocks past 
 xattr name list that could grow past what listxattr can return, reads racing truncates,
 and a background copy racing a writer."""
 import argparse, errno, os, stat
+from contextlib import contextmanager
 import pyfuse3, trio
 from tierfs import mount
 from tierfs.backends.storage_types import StorageType
@@ -15,6 +16,36 @@ from tierfs.tools.mkfs import VolumeSpec, make_filesystem
 
 class Ctx:
     uid, gid, pid, umask = os.getuid(), os.getgid(), os.getpid(), 0o022
+
+
+DISK_64K = dict(block_size=64 << 10, bytes_per_checksum=4096)
+
+
+def new_filesystem(tmp_path, volumes=None, **options):
+    """mkfs in tmp_path/data (default layout unless ``volumes``: (type, name, capacity))."""
+    data = tmp_path / "data"
+    specs = None if volumes is None else [VolumeSpec(t, data / name, capacity)
+                                          for t, name, capacity in volumes]
+    make_filesystem(data, specs, **options)
+    return data
+
+
+@contextmanager
+def prepared(data, check=True):
+    """The daemon's objects as ``mount.prepare`` makes them, without a kernel mount; shut
+    down afterwards as after an unmount, then (``check``) fsck must find nothing."""
+    mnt = data.parent / "mnt"
+    mnt.mkdir(exist_ok=True)
+    stack, ops, blockio, ns = mount.prepare(argparse.Namespace(data=str(data),
+                                                               mountpoint=str(mnt)))
+    try:
+        yield ops, blockio, ns
+    finally:
+        mount.shutdown(ops, blockio, ns)
+        stack.close()
+    if check:
+        report = Fsck(data).check()
+        assert report.healthy, report.render()
 
 
 def test_journal_record_of_persist_file_can_be_read_back(tmp_path):
@@ -31,39 +62,26 @@ def test_journal_record_of_persist_file_can_be_read_back(tmp_path):
 
 
 def test_write_that_runs_out_of_space_leaves_a_consistent_file(tmp_path):
-    data, mnt = tmp_path / "data", tmp_path / "mnt"
-    mnt.mkdir()
-    make_filesystem(data, [VolumeSpec(StorageType.DISK, data / "disk", 96 << 10)],
-                    block_size=64 << 10, bytes_per_checksum=4096)
-    stack, ops, blockio, ns = mount.prepare(argparse.Namespace(data=str(data),
-                                                               mountpoint=str(mnt)))
-    run = lambda fn, *a: trio.run(lambda: fn(*a))
-    fi, entry = run(ops.create, ROOT_INO, b"f", 0o644, os.O_RDWR, Ctx())
-    try:
-        written = run(ops.write, fi.fh, 0, b"x" * (100 << 10))
-    except pyfuse3.FUSEError as exc:
-        assert exc.errno == errno.ENOSPC
-        written = 0
-    size = run(ops.getattr, entry.st_ino, Ctx()).st_size
-    run(ops.release, fi.fh)
-    mount.shutdown(ops, blockio, ns)
-    stack.close()
+    data = new_filesystem(tmp_path, [(StorageType.DISK, "disk", 96 << 10)], **DISK_64K)
+    with prepared(data) as (ops, blockio, ns):  # fsck: BLOCK_PAST_EOF, blocks reach 65536
+        run = lambda fn, *a: trio.run(lambda: fn(*a))
+        fi, entry = run(ops.create, ROOT_INO, b"f", 0o644, os.O_RDWR, Ctx())
+        try:
+            written = run(ops.write, fi.fh, 0, b"x" * (100 << 10))
+        except pyfuse3.FUSEError as exc:
+            assert exc.errno == errno.ENOSPC
+            written = 0
+        size = run(ops.getattr, entry.st_ino, Ctx()).st_size
+        run(ops.release, fi.fh)
     # either a short write (POSIX) with the size covering it, or nothing written at all
     assert size == written
-    report = Fsck(data).check()
-    assert report.healthy, report.render()  # BLOCK_PAST_EOF: size 0, blocks reach 65536
 
 
 def test_setxattr_refuses_names_that_would_make_listxattr_fail(tmp_path):
-    data, mnt = tmp_path / "data", tmp_path / "mnt"
-    mnt.mkdir()
-    make_filesystem(data)
-    stack, ops, blockio, ns = mount.prepare(argparse.Namespace(data=str(data),
-                                                               mountpoint=str(mnt)))
-    run = lambda fn, *a: trio.run(lambda: fn(*a))
-    fi, entry = run(ops.create, ROOT_INO, b"f", 0o644, os.O_RDWR, Ctx())
-    run(ops.release, fi.fh)
-    try:
+    with prepared(new_filesystem(tmp_path)) as (ops, blockio, ns):
+        run = lambda fn, *a: trio.run(lambda: fn(*a))
+        fi, entry = run(ops.create, ROOT_INO, b"f", 0o644, os.O_RDWR, Ctx())
+        run(ops.release, fi.fh)
         for i in range(300):  # 300 names of 255 bytes: 76,800 bytes of names
             try:
                 run(ops.setxattr, entry.st_ino, b"user.%05d" % i + b"x" * 245, b"", Ctx())
@@ -72,10 +90,6 @@ def test_setxattr_refuses_names_that_would_make_listxattr_fail(tmp_path):
                 break
         names = run(ops.listxattr, entry.st_ino, Ctx())  # E2BIG for ever
         assert names
-    finally:
-        mount.shutdown(ops, blockio, ns)
-        stack.close()
-
 
 
 def _read_held_in_a_worker_thread(tmp_path, monkeypatch, before_read, after_read):
@@ -85,12 +99,6 @@ def _read_held_in_a_worker_thread(tmp_path, monkeypatch, before_read, after_read
     block as written, the read's result and the replicas reported bad; ends with fsck."""
     import threading
     from tierfs.fs import blockio as blockio_module
-    data, mnt = tmp_path / "data", tmp_path / "mnt"
-    mnt.mkdir()
-    make_filesystem(data, [VolumeSpec(StorageType.DISK, data / "disk")],
-                    block_size=64 << 10, bytes_per_checksum=4096)
-    stack, ops, blockio, ns = mount.prepare(argparse.Namespace(data=str(data),
-                                                               mountpoint=str(mnt)))
     written = os.urandom(64 << 10)
     may_read, has_read, may_return = threading.Event(), threading.Event(), threading.Event()
     real_execute_read = blockio_module._execute_read
@@ -106,9 +114,9 @@ def _read_held_in_a_worker_thread(tmp_path, monkeypatch, before_read, after_read
             may_return.wait()
 
     bad_reports = []
-    blockio.on_bad_replica = lambda *report: bad_reports.append(report)
 
-    async def scenario():
+    async def scenario(ops, blockio):
+        blockio.on_bad_replica = lambda *report: bad_reports.append(report)
         fi, _ = await ops.create(ROOT_INO, b"f", 0o644, os.O_RDWR, Ctx())
         await ops.write(fi.fh, 0, written)
         of = ops.handles[fi.fh].of
@@ -131,13 +139,9 @@ def _read_held_in_a_worker_thread(tmp_path, monkeypatch, before_read, after_read
         await ops.release(fi.fh)
         return result["data"]
 
-    try:
-        got = trio.run(scenario)
-    finally:
-        mount.shutdown(ops, blockio, ns)
-        stack.close()
-    report = Fsck(data).check()
-    assert report.healthy, report.render()
+    data = new_filesystem(tmp_path, [(StorageType.DISK, "disk", None)], **DISK_64K)
+    with prepared(data) as (ops, blockio, ns):
+        got = trio.run(scenario, ops, blockio)
     return written, got, bad_reports
 
 
@@ -189,13 +193,6 @@ def test_copy_racing_a_writer_that_restamps_the_block_is_retried_not_fatal(tmp_p
     import threading
     from tierfs.backends.replica import Replica
     from tierfs.fs.policy_xattrs import REPLICATION
-    data, mnt = tmp_path / "data", tmp_path / "mnt"
-    mnt.mkdir()
-    make_filesystem(data, [VolumeSpec(StorageType.DISK, data / "d1"),
-                           VolumeSpec(StorageType.DISK, data / "d2")],
-                    block_size=64 << 10, bytes_per_checksum=4096)
-    stack, ops, blockio, ns = mount.prepare(argparse.Namespace(data=str(data),
-                                                               mountpoint=str(mnt)))
     copying, may_copy = threading.Event(), threading.Event()
     real_read = Replica.read
 
@@ -205,7 +202,7 @@ def test_copy_racing_a_writer_that_restamps_the_block_is_retried_not_fatal(tmp_p
             may_copy.wait()
         return real_read(self, offset, size, nowait=nowait)
 
-    async def scenario():
+    async def scenario(ops):
         monitor = ops.replication
         fi, entry = await ops.create(ROOT_INO, b"f", 0o644, os.O_RDWR, Ctx())
         await ops.write(fi.fh, 0, b"a" * 10_000)
@@ -231,37 +228,24 @@ def test_copy_racing_a_writer_that_restamps_the_block_is_retried_not_fatal(tmp_p
         added["second"] = await monitor.round()
         return added["second"]
 
-    try:
-        assert trio.run(scenario) == 1
-    finally:
-        may_copy.set()
-        mount.shutdown(ops, blockio, ns)
-        stack.close()
-    report = Fsck(data).check()
-    assert report.healthy, report.render()
+    data = new_filesystem(tmp_path, [(StorageType.DISK, "d1", None),
+                                     (StorageType.DISK, "d2", None)], **DISK_64K)
+    with prepared(data) as (ops, blockio, ns):
+        assert trio.run(scenario, ops) == 1
 
 
 def test_an_unexpected_error_in_background_replication_is_logged_and_retried(tmp_path,
                                                                              caplog):
     """Whatever goes wrong with one block, the monitor's round logs it (with the traceback:
     it is a bug) and retries later; it never escapes to end the mount."""
-    data, mnt = tmp_path / "data", tmp_path / "mnt"
-    mnt.mkdir()
-    make_filesystem(data)
-    stack, ops, blockio, ns = mount.prepare(argparse.Namespace(data=str(data),
-                                                               mountpoint=str(mnt)))
-    monitor = ops.replication
-
     async def broken_repair(ino, index):
         raise RuntimeError("injected")
 
-    monitor._repair = broken_repair
-    monitor.note(5, 0)
-    try:
+    with prepared(new_filesystem(tmp_path)) as (ops, blockio, ns):
+        monitor = ops.replication
+        monitor._repair = broken_repair
+        monitor.note(5, 0)
         assert trio.run(monitor.round) == 0
-    finally:
-        mount.shutdown(ops, blockio, ns)
-        stack.close()
     assert (5, 0) in monitor.pending and (5, 0) in monitor.retry_at
     assert "RuntimeError: injected" in caplog.text
 
@@ -286,15 +270,10 @@ def test_the_one_second_tick_survives_a_full_namespace_disk(tmp_path, monkeypatc
     """The tick persists open files' sizes and times. It used to let ENOSPC escape, which
     ended the daemon (and lost what the open files held). Now it logs once, keeps the
     metadata in memory, and persists it at the first tick after space is back."""
-    data, mnt = tmp_path / "data", tmp_path / "mnt"
-    mnt.mkdir()
-    make_filesystem(data)
-    stack, ops, blockio, ns = mount.prepare(argparse.Namespace(data=str(data),
-                                                               mountpoint=str(mnt)))
     monkeypatch.setattr(mount, "TICK_SECONDS", 0.01)
     caplog.set_level("INFO", logger="tierfs.mount")
 
-    async def scenario():
+    async def scenario(ops, blockio, ns):
         fi, entry = await ops.create(ROOT_INO, b"f", 0o644, os.O_RDWR, Ctx())
         full = _namespace_full(ns, monkeypatch)
         await ops.write(fi.fh, 0, b"x" * 5000)
@@ -308,11 +287,8 @@ def test_the_one_second_tick_survives_a_full_namespace_disk(tmp_path, monkeypatc
             nursery.cancel_scope.cancel()
         await ops.release(fi.fh)
 
-    try:
-        trio.run(scenario)  # before: FsError ENOSPC out of _tick
-    finally:
-        mount.shutdown(ops, blockio, ns)
-        stack.close()
+    with prepared(new_filesystem(tmp_path)) as (ops, blockio, ns):
+        trio.run(scenario, ops, blockio, ns)  # before: FsError ENOSPC out of _tick
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "no space left" in errors[0].getMessage()
     assert "metadata persisted again" in caplog.text
@@ -322,11 +298,10 @@ def test_unmount_with_a_full_namespace_disk_leaves_it_for_recovery(tmp_path, mon
     """Unmount persists what is still open; when the namespace cannot take it, the daemon
     still stops (before: FsError out of shutdown, a traceback, no clean state, orphans
     left) and the next mount recovers the open file from its replicas."""
-    data, mnt = tmp_path / "data", tmp_path / "mnt"
-    mnt.mkdir()
-    make_filesystem(data)
-    args = argparse.Namespace(data=str(data), mountpoint=str(mnt))
-    stack, ops, blockio, ns = mount.prepare(args)
+    data = new_filesystem(tmp_path)
+    (tmp_path / "mnt").mkdir()
+    stack, ops, blockio, ns = mount.prepare(argparse.Namespace(data=str(data),
+                                                               mountpoint=str(tmp_path / "mnt")))
     run = lambda fn, *a: trio.run(lambda: fn(*a))
     fi, entry = run(ops.create, ROOT_INO, b"f", 0o644, os.O_RDWR, Ctx())
     run(ops.write, fi.fh, 0, b"y" * 5000)
@@ -339,14 +314,8 @@ def test_unmount_with_a_full_namespace_disk_leaves_it_for_recovery(tmp_path, mon
     finally:
         stack.close()
     monkeypatch.undo()
-    stack, ops, blockio, ns = mount.prepare(args)
-    try:
+    with prepared(data) as (ops, blockio, ns):
         assert ns.get_inode(entry.st_ino).size == 8000  # lease recovery, from the replica
         fi = run(ops.open, entry.st_ino, os.O_RDONLY, Ctx())
         assert run(ops.read, fi.fh, 0, 10000) == b"y" * 5000 + b"z" * 3000
         run(ops.release, fi.fh)
-    finally:
-        mount.shutdown(ops, blockio, ns)
-        stack.close()
-    report = Fsck(data).check()
-    assert report.healthy, report.render()
