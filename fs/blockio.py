@@ -47,8 +47,9 @@ log = logging.getLogger(__name__)
 
 RELATIME_NS = 24 * 3600 * 10**9
 
-# Chooses the volumes of a new block of inode ``ino`` that will hold ``nbytes`` now.
-Placer = Callable[[int, int], list[Volume]]
+# Chooses the volumes of a new block of inode ``ino`` that will hold ``nbytes`` now;
+# returns them with the replication the file wants.
+Placer = Callable[[int, int], tuple[list[Volume], int]]
 
 
 @dataclass(eq=False)
@@ -506,7 +507,7 @@ class BlockIO:
     def _write_new_block(self, of: OpenFile, index: int, boff: int, piece) -> None:
         """Create the replicas (durably: files and directory fsynced), write the first data,
         then record the block. The data itself becomes durable on fsync, like any write."""
-        volumes = self.placer(of.ino, self.block_size)
+        volumes, replication = self.placer(of.ino, self.block_size)
         block_id = self.ns.reserve("next_block_id")
         gs = self.ns.reserve("gs")
         replicas: list[Replica] = []
@@ -526,8 +527,9 @@ class BlockIO:
             raise
         of.blocks[index] = rec
         of.replicas[index] = sorted(replicas, key=lambda r: int(r.volume.storage_type))
-        if all(v.storage_type.transient for v in volumes):
-            self.on_needs_replication(of.ino, index)  # lazy persist
+        if sum(not v.storage_type.transient for v in volumes) < replication:
+            # lazy persist (RAM_DISK only), or too few allowed volumes had room
+            self.on_needs_replication(of.ino, index)
         of.writable.add(index)
         of.bumped.add(index)
 

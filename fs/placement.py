@@ -76,8 +76,20 @@ class Placer:
         self.volumes = volumes
         self.effective = effective
 
-    def __call__(self, ino: int, nbytes: int) -> list[Volume]:
+    def __call__(self, ino: int, nbytes: int) -> tuple[list[Volume], int]:
+        """The volumes for a new block, and how many persistent replicas it should have:
+        the file's replication, capped by the volumes its policy allows at all. More than
+        the volumes chosen when too few had room: the caller queues the rest."""
         policy, replication = self.effective(ino)
+        chosen = self._choose(policy, replication, nbytes)
+        persistent = sum(not v.storage_type.transient for v in chosen)
+        if persistent < replication:  # room, or no more volumes of the allowed types?
+            possible = choose_volumes(policy, replication, self.volumes, 0)
+            replication = sum(not v.storage_type.transient for v in possible)
+        return chosen, replication
+
+    def _choose(self, policy: BlockStoragePolicy, replication: int,
+                nbytes: int) -> list[Volume]:
         if policy.copy_on_create_file and replication == 1:
             # HDFS data-node behaviour for LAZY_PERSIST: the name node asks for DISK (RAM
             # is transient, never asked for), the data node writes to RAM_DISK when it can;

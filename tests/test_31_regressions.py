@@ -319,3 +319,28 @@ def test_unmount_with_a_full_namespace_disk_leaves_it_for_recovery(tmp_path, mon
         fi = run(ops.open, entry.st_ino, os.O_RDONLY, Ctx())
         assert run(ops.read, fi.fh, 0, 10000) == b"y" * 5000 + b"z" * 3000
         run(ops.release, fi.fh)
+
+
+def test_new_block_placed_on_too_few_volumes_is_replicated_once_room_is_back(tmp_path):
+    """A new block gets fewer replicas than the file's replication when too few allowed
+    volumes have room for it. It used to be queued for replication only for lazy persist,
+    so it stayed short until the next mount's scan; now the monitor is told at once."""
+    from tierfs.fs.policy_xattrs import REPLICATION
+    block = DISK_64K["block_size"]
+    data = new_filesystem(tmp_path, [(StorageType.DISK, "small", block),
+                                     (StorageType.DISK, "big", 10 * block)], **DISK_64K)
+    with prepared(data) as (ops, blockio, ns):
+        run = lambda fn, *a: trio.run(lambda: fn(*a))
+        run(ops.setxattr, ROOT_INO, REPLICATION, b"2", Ctx())
+        inos = {}
+        for name in (b"a", b"b"):  # a: on both volumes; b: "small" is full, "big" only
+            fi, entry = run(ops.create, ROOT_INO, name, 0o644, os.O_RDWR, Ctx())
+            run(ops.write, fi.fh, 0, name * 1000)
+            run(ops.release, fi.fh)
+            inos[name] = entry.st_ino
+        assert len(ns.get_blocks(inos[b"b"])[0].volumes) == 1
+        run(ops.unlink, ROOT_INO, b"a", Ctx())
+        run(ops.forget, [(inos[b"a"], 1)])
+        run(blockio.sync_namespace)  # the tick: a's blocks are deleted, "small" has room
+        assert run(ops.replication.round) == 1  # before: 0, nothing was queued
+        assert len(ns.get_blocks(inos[b"b"])[0].volumes) == 2
