@@ -362,9 +362,10 @@ class Volume:
         with self._lock:
             return self._used + sum(state.charged for state in self._states.values())
 
-    def free_bytes(self) -> int:
-        """Bytes that may still be used: the capacity left, bounded by the disk's free space."""
-        free = self._disk_free()
+    def free_bytes(self, disk_free: int | None = None) -> int:
+        """Bytes that may still be used: the capacity left, bounded by the disk's free space
+        (``disk_free``: already read for a sibling volume on the same disk)."""
+        free = self._disk_free() if disk_free is None else disk_free
         if self.capacity is not None:
             free = min(free, self.capacity - self.used_bytes())
         return max(0, free)

@@ -60,16 +60,22 @@ class VolumeSet:
              exclude: Iterable[int] = ()) -> Volume | None:
         """The volume of that type with the most free space that has room for ``nbytes``.
 
-        Distinct replicas of a block never share a volume (``exclude``).
+        Distinct replicas of a block never share a volume (``exclude``). Each disk's free
+        space is read once, so volumes sharing a disk compare equal and the first (lowest
+        id) wins: placement does not flip with writes landing between two statvfs calls.
         """
         excluded = set(exclude)
         free = {}
+        disk_free: dict[int, int] = {}
         for volume in self.of_type(storage_type):
             if volume.id in excluded:
                 continue
             try:
-                room = volume.free_bytes()
-            except FsError as exc:  # vanished or unreadable: not a candidate
+                device = os.stat(volume.path).st_dev
+                if device not in disk_free:
+                    disk_free[device] = volume._disk_free()
+                room = volume.free_bytes(disk_free[device])
+            except (OSError, FsError) as exc:  # vanished or unreadable: not a candidate
                 log.warning("volume %s unusable for new replicas: %s", volume.path, exc)
                 continue
             if room >= nbytes:

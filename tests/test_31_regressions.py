@@ -344,3 +344,22 @@ def test_new_block_placed_on_too_few_volumes_is_replicated_once_room_is_back(tmp
         run(blockio.sync_namespace)  # the tick: a's blocks are deleted, "small" has room
         assert run(ops.replication.round) == 1  # before: 0, nothing was queued
         assert len(ns.get_blocks(inos[b"b"])[0].volumes) == 2
+
+
+def test_volumes_sharing_a_disk_are_picked_in_a_stable_order(tmp_path, monkeypatch):
+    """Volumes on one disk have the same free space, but read with one statvfs each, a
+    write landing in between made a later volume look freer: replicas went to d2 before
+    d1 at random (seen as a flaky order in tests/test_93). The disk is read once per pick.
+    The disk's free space growing between the reads is injected."""
+    from tierfs.backends.volume import Volume
+    from tierfs.backends.volume_set import VolumeSet
+    data = new_filesystem(tmp_path, [(StorageType.DISK, name, None)
+                                     for name in ("d1", "d2", "d3")], **DISK_64K)
+    ns = Namespace.open(data / "namespace")
+    volumes = VolumeSet.open(data, ns.config.fs_uuid, ns.config.volumes)
+    ns.close()
+    reads = iter(range(10**9, 10**12, 10**6))  # each statvfs: a little more (files deleted)
+    monkeypatch.setattr(Volume, "_disk_free", lambda self: next(reads))
+    first = volumes.pick(StorageType.DISK, 1)
+    second = volumes.pick(StorageType.DISK, 1, exclude=[first.id])
+    assert [first.path.name, second.path.name] == ["d1", "d2"]
