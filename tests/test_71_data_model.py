@@ -32,6 +32,7 @@ import mmap
 import os
 import random
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -461,7 +462,11 @@ def test_generation_stamps_follow_write_sessions(fs_r3):
     assert sorted(s3) == [0, 1]
     assert s3[0] == s2[0]
     assert s3[1][0] == s0[1][0] and s3[1][1] > s2[0][1]
+    # The dropped block's files go once the drop is synced: the next tick, about a second.
+    deadline = time.monotonic() + 5
     for vol in volumes_of(fs.data):
+        while replica_files(vol, s0[2][0]) != (None, []) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert replica_files(vol, s0[2][0]) == (None, []), f"dropped block left on {vol}"
 
     # Growing makes a hole, not a block; stamps stay.
