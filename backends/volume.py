@@ -260,6 +260,20 @@ class Volume:
             ) from e
         return Replica(self, block_id, gs, bpc, fds[0], fds[1], writable=writable)
 
+    def sync_replica(self, block_id: int, gs: int) -> None:
+        """``fdatasync`` the data and meta file of a replica nobody has open (a block an
+        open file wrote to and no longer keeps open)."""
+        for path in (self.data_path(block_id), self.meta_path(block_id, gs)):
+            try:
+                fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
+                try:
+                    os.fdatasync(fd)
+                finally:
+                    os.close(fd)
+            except OSError as e:
+                raise VolumeError(f"cannot sync {path.name} on volume {self.path}: "
+                                  f"{e.strerror or e}") from e
+
     def delete_replica(self, block_id: int, gs: int | None = None) -> None:
         """Delete the data file and the meta file of ``gs`` (every meta file if gs is None).
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Mount, assert_fsck_clean, run_tool
+from tests.conftest import Mount, assert_fsck_clean, evict, run_tool
 
 BLOCK = 64 * 1024
 SMALL_BLOCKS = ("--block-size", "64K", "--bytes-per-checksum", "4096")
@@ -516,4 +516,33 @@ def test_a_file_held_open_through_truncates_does_not_pile_up_descriptors(replica
         os.close(fd)
     assert after - before < 20, f"daemon descriptors grew from {before} to {after}"
     assert path.read_bytes() == chunk
+    time.sleep(0.2)  # let the RELEASE be answered before the fixture unmounts
+
+
+def test_a_file_of_many_blocks_keeps_a_bounded_number_open(replicated):
+    """Each block's replicas hold two descriptors each while the file keeps them open. A
+    handle that writes and reads many blocks used to keep all of them open until its last
+    close: with small blocks that exhausted the daemon's descriptors, and writes failed
+    with EIO. Now at most OPEN_BLOCKS_PER_FILE blocks per file stay open, and an fsync
+    still syncs the blocks whose replicas were closed meanwhile."""
+    from tierfs.fs.blockio import OPEN_BLOCKS_PER_FILE
+    path = replicated.mountpoint / "many"
+    fds = lambda: len(os.listdir(f"/proc/{replicated.pid}/fd"))
+    data = content(41, 256 * BLOCK + 100)  # 257 blocks x 2 replicas x 2 files: 1,028 before
+    bound = fds() + OPEN_BLOCKS_PER_FILE * 2 * 2 + 20
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        for offset in range(0, len(data), 1 << 20):
+            os.pwrite(fd, data[offset:offset + (1 << 20)], offset)
+        os.fsync(fd)
+        after_write = fds()
+        evict(path)
+        got = bytearray()
+        while len(got) < len(data):
+            got += os.pread(fd, 1 << 20, len(got))
+        after_read = fds()
+    finally:
+        os.close(fd)
+    assert after_write <= bound and after_read <= bound, (after_write, after_read, bound)
+    assert got == data
     time.sleep(0.2)  # let the RELEASE be answered before the fixture unmounts
