@@ -221,7 +221,12 @@ try:
             n = max(1, CAP - off)
         data = payload(step, n)
         log(op="write", file=name, off=off, len=n, step=step)
-        assert os.pwrite(fd, data, off) == n
+        written = os.pwrite(fd, data, off)
+        if written != n:
+            # Only the kill may cut a write short (the kernel had copied part of it when the
+            # connection died): then fsync fails with an OSError, which ends the loop.
+            os.fsync(fd)
+            raise AssertionError(f"short write ({written} of {n} bytes) on a live mount")
         if off > len(model):
             model += bytes(off - len(model))
         model[off:off + n] = data
