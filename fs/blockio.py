@@ -243,35 +243,32 @@ class BlockIO:
         await self._sync_namespace_after(lambda: None)
 
     async def _sync_namespace_after(self, work: Callable, *args) -> None:
-        """In a worker thread: ``work(*args)``, then sync the namespace. Then delete the
-        files of the whole blocks dropped by the transactions that sync made durable."""
-        synced, self.deferred_trash = self.deferred_trash, []
-        try:
+        """In a worker thread: ``work(*args)``, then sync the namespace."""
+        with self._deleting_deferred_trash_after_sync():
             await trio.to_thread.run_sync(_then_sync, work, args, self.ns)
-        except BaseException:
-            self.deferred_trash[:0] = synced
-            raise
-        self._delete_synced(synced)
 
     def sync_namespace_now(self) -> bool:
         """The same, in the event loop: for a write that found no room while deleted
         blocks still hold space. Returns whether any files were deleted."""
         if not self.deferred_trash:
             return False
+        with self._deleting_deferred_trash_after_sync():
+            self.ns.sync()
+        return True
+
+    @contextmanager
+    def _deleting_deferred_trash_after_sync(self):
+        """Around a namespace sync: the whole blocks dropped before it began are deleted
+        once it succeeded (a failure to delete is not the caller's: the trash rows stay,
+        and the next mount deletes them); if it failed, they wait for the next one."""
         synced, self.deferred_trash = self.deferred_trash, []
         try:
-            self.ns.sync()
+            yield
         except BaseException:
             self.deferred_trash[:0] = synced
             raise
-        self._delete_synced(synced)
-        return True
-
-    def _delete_synced(self, trash) -> None:
-        """The drop is durable: a failure to delete its files is not the caller's (the
-        trash rows stay, and the next mount deletes them)."""
         try:
-            self.delete_trash(trash)
+            self.delete_trash(synced)
         except FsError as exc:
             log.warning("replica files of dropped blocks left for the next mount: %s", exc)
 
