@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import json
+import mmap
 import os
 import shutil
 import struct
@@ -27,7 +29,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from tierfs.backends import crc_combine, meta
-from tierfs.backends.replica import Replica
+from tierfs.backends import replica as replica_module
+from tierfs.backends.replica import DIRECT_WRITE_BYTES, Replica
 from tierfs.backends.storage_types import StorageType
 from tierfs.backends.volume import IDENTITY_FILE, ReplicaInfo, Volume
 from tierfs.fs.errors import ChecksumError, FsError, VolumeError
@@ -569,6 +572,8 @@ class ReplicaMachine(RuleBasedStateMachine):
 
     @initialize(bpc=st.sampled_from([1, 2, 3, 16, 64, 512]))
     def create(self, bpc):
+        # whole-page writes below go direct (O_DIRECT), mixed with the small ones
+        replica_module.DIRECT_WRITE_BYTES = 4096
         self.bpc = bpc
         self.gs = GS
         self.replica = self.volume.create_replica(BLOCK, GS, bpc)
@@ -602,7 +607,14 @@ class ReplicaMachine(RuleBasedStateMachine):
     def write_near_end(self, back, data):
         self.write(max(0, len(self.model) - back), data)
 
-    @rule(length=st.integers(0, 800))
+    @rule(page=st.integers(0, 2), pages=st.integers(1, 2), tail=st.sampled_from([0, 0, 1, 300]),
+          seed=st.integers(0, 255))
+    def write_pages(self, page, pages, tail, seed):
+        """Page-aligned writes of whole pages (and a tail): the direct path, over data the
+        small writes left in the page cache."""
+        self.write(page * 4096, bytes((seed + i) % 249 for i in range(pages * 4096 + tail)))
+
+    @rule(length=st.one_of(st.integers(0, 800), st.integers(0, 3 * 4096 + 300)))
     def truncate(self, length):
         self.replica.truncate(length)
         if length < len(self.model):
@@ -610,7 +622,7 @@ class ReplicaMachine(RuleBasedStateMachine):
         else:
             self.model.extend(bytes(length - len(self.model)))
 
-    @rule(offset=st.integers(0, 900), size=st.integers(0, 900))
+    @rule(offset=st.one_of(st.integers(0, 900), st.integers(0, 3 * 4096)), size=st.integers(0, 5000))
     def read(self, offset, size):
         assert self.replica.read(offset, size) == bytes(self.model[offset : offset + size])
 
@@ -643,6 +655,7 @@ class ReplicaMachine(RuleBasedStateMachine):
         assert self.replica.verified_length() == len(model)
 
     def teardown(self):
+        replica_module.DIRECT_WRITE_BYTES = DIRECT_WRITE_BYTES
         if self.replica is not None:
             self.replica.close()
         self.tmp.cleanup()
@@ -992,9 +1005,9 @@ def test_long_sequential_write_is_written_out_behind_the_writer(volume, tmp_path
     """HDFS's sync-behind writes: the disk starts writing a replica's data while the writer
     goes on, so a later fsync has only the tail left. A plain file written the same way
     beside it stays dirty (the control: without it this test could not fail)."""
-    from tierfs.backends.replica import SYNC_BEHIND_BYTES
+    from tierfs.backends.replica import DIRECT_WRITE_BYTES, SYNC_BEHIND_BYTES
 
-    piece = os.urandom(1 << 20)
+    piece = os.urandom(DIRECT_WRITE_BYTES // 2)  # through the page cache
     total = 3 * SYNC_BEHIND_BYTES + len(piece)
     control = tmp_path / "control"
     with open(control, "wb") as f:
@@ -1015,9 +1028,9 @@ def test_long_sequential_write_is_written_out_behind_the_writer(volume, tmp_path
 def test_writes_after_a_truncate_are_written_behind_again(volume):
     """A replica cut short and written again: the bytes behind the writer are handed to the
     disk again (the mark of what was written out follows the cut)."""
-    from tierfs.backends.replica import SYNC_BEHIND_BYTES
+    from tierfs.backends.replica import DIRECT_WRITE_BYTES, SYNC_BEHIND_BYTES
 
-    piece = os.urandom(1 << 20)
+    piece = os.urandom(DIRECT_WRITE_BYTES // 2)  # through the page cache
     with volume.create_replica(BLOCK, GS, 4096) as replica:
         for offset in range(0, 2 * SYNC_BEHIND_BYTES, len(piece)):
             replica.write(offset, piece)
@@ -1030,6 +1043,90 @@ def test_writes_after_a_truncate_are_written_behind_again(volume):
         assert replica.read(0, len(piece)) == piece
 
 
+
+
+# --- large writes: past the page cache ---------------------------------------------------------
+
+
+def test_large_aligned_writes_skip_the_page_cache(volume, tmp_path):
+    """Writes of DIRECT_WRITE_BYTES and more at page-aligned offsets reach the disk without
+    leaving pages in the cache; smaller writes to a second replica beside it stay cached
+    (the control). Both read back, and their CRCs are exact."""
+    from tierfs.backends.replica import DIRECT_WRITE_BYTES
+
+    data = os.urandom(4 * DIRECT_WRITE_BYTES)
+    for block_id, piece in ((BLOCK, DIRECT_WRITE_BYTES), (BLOCK + 1, DIRECT_WRITE_BYTES // 2)):
+        with volume.create_replica(block_id, GS, 4096) as replica:
+            for offset in range(0, len(data), piece):
+                replica.write(offset, data[offset : offset + piece])
+            assert replica.read(0, len(data)) == data
+        assert_replica_files(volume, block_id, GS, 4096, data)
+    assert cachestat(volume.data_path(BLOCK + 1), len(data)).nr_cache > 0
+    direct = cachestat(volume.data_path(BLOCK), len(data))
+    # the reads above cached some of it again: only the checks after the writes count
+    assert direct.nr_dirty == 0 and direct.nr_writeback == 0
+
+
+def test_large_write_replaces_what_the_page_cache_held(volume):
+    """A direct write over pages that a small write left dirty and a read left cached: every
+    later read sees the new bytes. An unaligned tail, and a large write at an unaligned
+    offset, go through the page cache and land too."""
+    from tierfs.backends.replica import DIRECT_WRITE_BYTES
+
+    size = 2 * DIRECT_WRITE_BYTES
+    model = bytearray(os.urandom(size))
+    with volume.create_replica(BLOCK, GS, 512) as replica:
+        replica.write(0, bytes(model))  # direct
+        replica.write(100, b"small, dirty")
+        model[100:112] = b"small, dirty"
+        assert replica.read(0, 4096) == model[:4096]  # cached now
+        big = os.urandom(DIRECT_WRITE_BYTES + 300)  # direct, with a 300-byte tail
+        replica.write(0, big)
+        model[: len(big)] = big
+        assert replica.read(0, size) == model
+        odd = os.urandom(DIRECT_WRITE_BYTES)
+        replica.write(size - 1000, odd)  # unaligned offset: page cache, and grows the file
+        model[size - 1000 :] = odd
+        assert replica.read(0, len(model)) == model
+        replica.fsync()
+    assert_replica_files(volume, BLOCK, GS, 512, bytes(model))
+
+
+def test_writes_fall_back_to_the_page_cache_without_direct_io(volume, monkeypatch):
+    """A filesystem that refuses O_DIRECT, at the open or (injected here) at the first
+    write: the same writes go through the page cache, nothing is lost or written twice."""
+    from tierfs.backends import replica as replica_module
+    from tierfs.backends.replica import DIRECT_WRITE_BYTES
+
+    data = os.urandom(3 * DIRECT_WRITE_BYTES)
+    monkeypatch.setattr(replica_module, "_open_direct", lambda fd: -1)
+    with volume.create_replica(BLOCK, GS, 4096) as replica:
+        replica.write(0, data)
+        assert replica.read(0, len(data)) == data
+    assert_replica_files(volume, BLOCK, GS, 4096, data)
+    monkeypatch.undo()
+
+    real_pwrite_all = replica_module._pwrite_all
+    refused = []
+
+    def refuse_direct(fd, chunk, offset):
+        if fcntl_flags(fd) & os.O_DIRECT:
+            real_pwrite_all(fd, mmap.mmap(-1, len(chunk) // 2), offset)  # zeros land, then EINVAL
+            refused.append(offset)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite_all(fd, chunk, offset)
+
+    monkeypatch.setattr(replica_module, "_pwrite_all", refuse_direct)
+    with volume.create_replica(BLOCK + 1, GS, 4096) as replica:
+        replica.write(0, data)
+        replica.write(len(data), data)
+        assert replica.read(0, 2 * len(data)) == data * 2
+    assert refused == [0]  # given up after the first refusal
+    assert_replica_files(volume, BLOCK + 1, GS, 4096, data * 2)
+
+
+def fcntl_flags(fd: int) -> int:
+    return fcntl.fcntl(fd, fcntl.F_GETFL)
 
 # --- reads: page cache only, readahead ---------------------------------------------------------
 
