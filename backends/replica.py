@@ -223,7 +223,7 @@ class Replica:
             stop = last * bpc + bpc
             if stop > length:
                 stop = length
-            meta_offset = HEADER_SIZE + CRC_SIZE * first
+            meta_offset = crc_offset(first)
             if nowait:
                 buf = _pread_cached(self._data_fd, stop - start, start)
                 if buf is None:
@@ -334,14 +334,8 @@ class Replica:
         if state.meta_ino != self._meta_ino or length % bpc + n >= bpc:
             return False
         crc = crc32c(data, state.tail_crc)
-        written = os.pwrite(self._data_fd, data, length)
-        if written != n:
-            _pwrite_rest(self._data_fd, data, length, written)
-        packed = CRC_STRUCT.pack(crc)
-        meta_at = HEADER_SIZE + CRC_SIZE * (length // bpc)
-        written = os.pwrite(self._meta_fd, packed, meta_at)
-        if written != CRC_SIZE:
-            _pwrite_rest(self._meta_fd, packed, meta_at, written)
+        _pwrite_all(self._data_fd, data, length)
+        _pwrite_all(self._meta_fd, CRC_STRUCT.pack(crc), crc_offset(length // bpc))
         state.length = length + n
         state.tail_crc = crc
         state.charged += n
@@ -392,10 +386,7 @@ class Replica:
             crc = crcs[-1]
             packed = pack_crcs(crcs)
         direct = self._write_data(data, offset)
-        meta_at = HEADER_SIZE + CRC_SIZE * first
-        written = os.pwrite(self._meta_fd, packed, meta_at)
-        if written != len(packed):
-            _pwrite_rest(self._meta_fd, packed, meta_at, written)
+        meta_end = _pwrite_all(self._meta_fd, packed, crc_offset(first))
         if end > length:
             state.length = end
             state.tail_crc = crc if end % bpc else None
@@ -404,7 +395,6 @@ class Replica:
             if length % bpc and last == (length - 1) // bpc:
                 state.tail_crc = crc
             delta = 0
-        meta_end = meta_at + len(packed)
         if meta_end > state.meta_size:
             delta += meta_end - state.meta_size
             state.meta_size = meta_end
