@@ -93,8 +93,8 @@ DIRECT_WRITE_BYTES = 256 << 10
 from the disk's point of view straight out of one reused buffer. Through the page cache
 every such write copies into pages the kernel has just allocated, and on this VM a page the
 guest has not touched lately costs a fault in the host: that copy was 65% of the daemon's
-CPU on 1 GiB of sequential writes, which went from 143-199 to 560-675 MB/s without it
-(README, "Speed"). Reads that follow come from the disk, or from the mount's own page
+CPU on 1 GiB of sequential writes + fsync, which went from 255-345 to 560-675 MB/s
+without it (README, "Speed"). Reads that follow come from the disk, or from the mount's own page
 cache, which keeps what was written. Smaller writes (random 4 KiB writes, appends) stay
 in the page cache, where the kernel gathers them."""
 

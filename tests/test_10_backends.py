@@ -1005,7 +1005,7 @@ def test_long_sequential_write_is_written_out_behind_the_writer(volume, tmp_path
     """HDFS's sync-behind writes: the disk starts writing a replica's data while the writer
     goes on, so a later fsync has only the tail left. A plain file written the same way
     beside it stays dirty (the control: without it this test could not fail)."""
-    from tierfs.backends.replica import DIRECT_WRITE_BYTES, SYNC_BEHIND_BYTES
+    from tierfs.backends.replica import SYNC_BEHIND_BYTES
 
     piece = os.urandom(DIRECT_WRITE_BYTES // 2)  # through the page cache
     total = 3 * SYNC_BEHIND_BYTES + len(piece)
@@ -1028,7 +1028,7 @@ def test_long_sequential_write_is_written_out_behind_the_writer(volume, tmp_path
 def test_writes_after_a_truncate_are_written_behind_again(volume):
     """A replica cut short and written again: the bytes behind the writer are handed to the
     disk again (the mark of what was written out follows the cut)."""
-    from tierfs.backends.replica import DIRECT_WRITE_BYTES, SYNC_BEHIND_BYTES
+    from tierfs.backends.replica import SYNC_BEHIND_BYTES
 
     piece = os.urandom(DIRECT_WRITE_BYTES // 2)  # through the page cache
     with volume.create_replica(BLOCK, GS, 4096) as replica:
@@ -1043,8 +1043,6 @@ def test_writes_after_a_truncate_are_written_behind_again(volume):
         assert replica.read(0, len(piece)) == piece
 
 
-
-
 # --- large writes: past the page cache ---------------------------------------------------------
 
 
@@ -1052,8 +1050,6 @@ def test_large_aligned_writes_skip_the_page_cache(volume, tmp_path):
     """Writes of DIRECT_WRITE_BYTES and more at page-aligned offsets reach the disk without
     leaving pages in the cache; smaller writes to a second replica beside it stay cached
     (the control). Both read back, and their CRCs are exact."""
-    from tierfs.backends.replica import DIRECT_WRITE_BYTES
-
     data = os.urandom(4 * DIRECT_WRITE_BYTES)
     for block_id, piece in ((BLOCK, DIRECT_WRITE_BYTES), (BLOCK + 1, DIRECT_WRITE_BYTES // 2)):
         with volume.create_replica(block_id, GS, 4096) as replica:
@@ -1071,8 +1067,6 @@ def test_large_write_replaces_what_the_page_cache_held(volume):
     """A direct write over pages that a small write left dirty and a read left cached: every
     later read sees the new bytes. An unaligned tail, and a large write at an unaligned
     offset, go through the page cache and land too."""
-    from tierfs.backends.replica import DIRECT_WRITE_BYTES
-
     size = 2 * DIRECT_WRITE_BYTES
     model = bytearray(os.urandom(size))
     with volume.create_replica(BLOCK, GS, 512) as replica:
@@ -1095,9 +1089,6 @@ def test_large_write_replaces_what_the_page_cache_held(volume):
 def test_writes_fall_back_to_the_page_cache_without_direct_io(volume, monkeypatch):
     """A filesystem that refuses O_DIRECT, at the open or (injected here) at the first
     write: the same writes go through the page cache, nothing is lost or written twice."""
-    from tierfs.backends import replica as replica_module
-    from tierfs.backends.replica import DIRECT_WRITE_BYTES
-
     data = os.urandom(3 * DIRECT_WRITE_BYTES)
     monkeypatch.setattr(replica_module, "_open_direct", lambda fd: -1)
     with volume.create_replica(BLOCK, GS, 4096) as replica:
@@ -1127,6 +1118,7 @@ def test_writes_fall_back_to_the_page_cache_without_direct_io(volume, monkeypatc
 
 def fcntl_flags(fd: int) -> int:
     return fcntl.fcntl(fd, fcntl.F_GETFL)
+
 
 # --- reads: page cache only, readahead ---------------------------------------------------------
 
