@@ -18,6 +18,7 @@ import ctypes
 import errno
 import logging
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -133,6 +134,26 @@ def detach_if_aborted(mountpoint: str, device: str | None, aborted: bool) -> Non
         log.warning("could not detach the dead mount on %s: %s", mountpoint, problem)
 
 
+def raise_descriptor_limit() -> int:
+    """Raise the soft limit of open descriptors to the hard one and return it.
+
+    The daemon keeps two or three descriptors per open replica, and a login's usual soft
+    limit of 1,024 is soon used up by a few files of many blocks, whereas the hard limit
+    (often 524,288 or more) is there to be taken, as servers that hold many files do.
+    BlockIO sizes its cache of open replicas from the result.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError) as exc:  # e.g. above fs.nr_open
+        log.info("descriptor limit left at %d: %s", soft, exc)
+        return soft
+    return target
+
+
 def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:
     """Everything up to (not including) the FUSE mount; raises MountError."""
     data = Path(os.path.abspath(args.data))
@@ -161,6 +182,7 @@ def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:
                         report.summary())
         ns.set_state("mounted")
         resolver = Resolver(ns)
+        raise_descriptor_limit()
         blockio = BlockIO(ns, volumes, Placer(volumes, resolver.placement), new_session_id())
         ops = Operations(ns, blockio, make_statfs(volumes, ns), resolver)
         ops.replication = ReplicationMonitor(ns, volumes, blockio, resolver)

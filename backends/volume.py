@@ -256,7 +256,8 @@ class Volume:
         except OSError as e:
             _abandon(fds, [])
             raise VolumeError(
-                f"cannot open replica blk_{block_id}_{gs} on volume {self.path}: {e.strerror or e}"
+                f"cannot open replica blk_{block_id}_{gs} on volume {self.path}: {e.strerror or e}",
+                _errno(e),
             ) from e
         return Replica(self, block_id, gs, bpc, fds[0], fds[1], writable=writable)
 
@@ -634,5 +635,11 @@ def _abandon(fds: list[int], made: list[str]) -> None:
 
 
 def _errno(e: OSError) -> int:
-    """ENOSPC stays ENOSPC (placement tries elsewhere); everything else is EIO."""
-    return errno.ENOSPC if e.errno in (errno.ENOSPC, errno.EDQUOT) else errno.EIO
+    """ENOSPC stays ENOSPC (placement tries elsewhere); EMFILE and ENFILE stay too (the
+    process is out of descriptors: nothing is wrong with the volume or the replica, so the
+    caller must not count it against them); everything else is EIO."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return errno.ENOSPC
+    if e.errno in (errno.EMFILE, errno.ENFILE):
+        return e.errno
+    return errno.EIO

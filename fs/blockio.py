@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import errno
 import logging
+import resource
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
@@ -51,6 +52,15 @@ RELATIME_NS = 24 * 3600 * 10**9
 # handle would otherwise run the daemon out of descriptors (seen with 1 KiB blocks: a
 # 12 MiB file held 24,000).
 OPEN_BLOCKS_PER_FILE = 64
+
+OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
+
+# Descriptors one open replica may hold: its data file, its meta file and the O_DIRECT
+# descriptor of large writes.
+FDS_PER_REPLICA = 3
+# Descriptors left for everything but open replicas: /dev/fuse, the namespace, logs, new
+# replicas being created, copies made by the satisfier and re-replication.
+RESERVED_FDS = 256
 
 # Chooses the volumes of a new block of inode ``ino`` that will hold ``nbytes`` now;
 # returns them with the replication the file wants.
@@ -89,7 +99,11 @@ class OpenFile:
 class BlockIO:
     """Reads and writes file data for a mounted filesystem."""
 
-    def __init__(self, ns: Namespace, volumes: VolumeSet, placer: Placer, session: bytes):
+    def __init__(self, ns: Namespace, volumes: VolumeSet, placer: Placer, session: bytes,
+                 *, max_open_replicas: int | None = None):
+        """``max_open_replicas``: replicas kept open across all open files, least recently
+        used closed first (default: what the process's descriptor limit leaves, see
+        ``replica_budget``)."""
         self.ns = ns
         self.volumes = volumes
         self.placer = placer
@@ -107,6 +121,14 @@ class BlockIO:
         self.deferred_trash: list = []
         # Told about a replica a read could not use: (ino, index, volume id, reason).
         self.on_bad_replica: Callable[[int, int, int, str], None] = lambda *a: None
+        self.max_open_replicas = (replica_budget() if max_open_replicas is None
+                                  else max_open_replicas)
+        # Every block some open file keeps replicas of, (ino, index) -> how many replicas,
+        # least recently used first: many open files together must not run the daemon
+        # out of descriptors either (seen: 30 open files of 64 KiB blocks, read with the
+        # usual limit of 1,024 descriptors, answered EIO).
+        self.open_blocks: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self.open_replicas = 0
 
     # --- open and close ---------------------------------------------------------------------
 
@@ -159,12 +181,28 @@ class BlockIO:
         for index in list(of.replicas) if indexes is None else indexes:
             self._retire(of, of.replicas.pop(index, []))
             of.writable.discard(index)
+            self.open_replicas -= self.open_blocks.pop((of.ino, index), 0)
+
+    def _opened(self, of: OpenFile, index: int) -> None:
+        """``of.replicas[index]`` was just opened: count it, as the most recently used."""
+        key = (of.ino, index)
+        self.open_replicas += len(of.replicas[index]) - self.open_blocks.pop(key, 0)
+        self.open_blocks[key] = len(of.replicas[index])
 
     def _close_least_used(self, of: OpenFile) -> None:
-        """Keep at most OPEN_BLOCKS_PER_FILE blocks open. Called when a request is done
-        with its replicas (a read plan holds several blocks' replicas at once)."""
+        """Keep at most OPEN_BLOCKS_PER_FILE blocks of this file and ``max_open_replicas``
+        replicas of all files open. Called when a request is done with its replicas (a
+        read plan holds several blocks' replicas at once). A replica a worker thread is
+        still reading is closed when that read is done (``_pinned``)."""
         while len(of.replicas) > OPEN_BLOCKS_PER_FILE:
             self.retire_replicas(of, [next(iter(of.replicas))])
+        while self.open_replicas > self.max_open_replicas and self.open_blocks:
+            ino, index = next(iter(self.open_blocks))
+            owner = self.files.get(ino)
+            if owner is None or index not in owner.replicas:  # cannot happen; never loop
+                self.open_replicas -= self.open_blocks.pop((ino, index))
+                continue
+            self.retire_replicas(owner, [index])
 
     def _retire(self, of: OpenFile, replicas: list[Replica]) -> None:
         of.retired.extend(replicas)
@@ -278,11 +316,14 @@ class BlockIO:
         """Open replicas of a block (fastest storage type first), cached while open.
 
         A replica that cannot be opened (missing, stale: its meta file has another GS,
-        unreadable volume) is reported; for writing it is dropped from the pipeline.
+        unreadable volume) is reported; for writing it is dropped from the pipeline. When
+        the daemon is out of descriptors (EMFILE, ENFILE) nothing is wrong with the
+        replica: the request fails with that error and the replica stays as it is.
         """
         if index in of.replicas and (not writable or index in of.writable):
             if index != next(reversed(of.replicas)):
                 of.replicas[index] = of.replicas.pop(index)  # most recently used: last
+                self.open_blocks.move_to_end((of.ino, index))
             return of.replicas[index]
         self.retire_replicas(of, [index])
         rec = of.blocks[index]
@@ -291,11 +332,16 @@ class BlockIO:
             try:
                 opened.append(volume.open_replica(rec.block_id, rec.gs, writable=writable))
             except FsError as exc:
+                if exc.errno in OUT_OF_DESCRIPTORS:
+                    for replica in opened:
+                        replica.close()
+                    raise
                 log.error("replica of block %d on %s unusable: %s", rec.block_id,
                           volume.path, exc)
                 failed.append(volume.id)
                 self.on_bad_replica(of.ino, index, volume.id, str(exc))
         of.replicas[index] = opened
+        self._opened(of, index)
         if writable:
             of.writable.add(index)
             if failed:
@@ -546,6 +592,7 @@ class BlockIO:
             raise
         of.blocks[index] = rec
         of.replicas[index] = sorted(replicas, key=lambda r: int(r.volume.storage_type))
+        self._opened(of, index)
         if sum(not v.storage_type.transient for v in volumes) < replication:
             # lazy persist (RAM_DISK only), or too few allowed volumes had room
             self.on_needs_replication(of.ino, index)
@@ -622,6 +669,16 @@ class BlockIO:
     def defer_trash(self, trash) -> None:
         """Whole blocks dropped: delete their files after the next namespace sync."""
         self.deferred_trash.extend(trash)
+
+
+def replica_budget() -> int:
+    """How many replicas the daemon may keep open: what its soft limit of descriptors
+    leaves after RESERVED_FDS, at FDS_PER_REPLICA each (at least 16, so that a tiny limit
+    still lets a read span a few blocks; the mount raises the limit first)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(16, (soft - RESERVED_FDS) // FDS_PER_REPLICA)
 
 
 def _then_sync(work: Callable, args: tuple, ns: Namespace) -> None:

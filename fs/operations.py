@@ -57,7 +57,7 @@ def handler(fn):
         except pyfuse3.FUSEError:
             raise
         except FsError as exc:
-            if exc.errno == errno.EIO or exc.errno == errno.ENOSPC:
+            if exc.errno in (errno.EIO, errno.ENOSPC, errno.EMFILE, errno.ENFILE):
                 log.warning("%s: %s", fn.__name__, exc)
             raise pyfuse3.FUSEError(exc.errno) from None
         except Exception:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -40,10 +41,13 @@ def is_mounted(mountpoint: Path) -> bool:
 class Mount:
     """A tierfs mounted in the foreground by a ``mount.tierfs -f`` child process."""
 
-    def __init__(self, data: Path, mountpoint: Path, options: str = "allow_other"):
+    def __init__(self, data: Path, mountpoint: Path, options: str = "allow_other", *,
+                 descriptor_limit: tuple[int, int] | None = None):
+        """``descriptor_limit``: (soft, hard) RLIMIT_NOFILE the daemon starts with."""
         self.data = data
         self.mountpoint = mountpoint
         self.options = options
+        self.descriptor_limit = descriptor_limit
         self.proc: subprocess.Popen | None = None
         self.log = data.parent / f"{data.name}.mount.log"
 
@@ -53,7 +57,11 @@ class Mount:
         if self.options:
             cmd += ["-o", self.options]
         logf = open(self.log, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
+        limit = self.descriptor_limit
+        self.proc = subprocess.Popen(
+            cmd, stdout=logf, stderr=subprocess.STDOUT,
+            preexec_fn=None if limit is None else
+            (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, limit)))
         logf.close()
         deadline = time.monotonic() + timeout
         while not is_mounted(self.mountpoint):

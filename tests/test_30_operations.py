@@ -761,6 +761,73 @@ def test_reads_wait_for_a_disk_only_in_a_worker_thread(fs, monkeypatch):
     fs.release(fh)
 
 
+def _open_replica_count(fs) -> int:
+    """Replicas the open files hold, counted from the files themselves."""
+    return sum(len(replicas) for of in fs.blockio.files.values()
+               for replicas in of.replicas.values())
+
+
+def test_open_files_together_keep_a_bounded_number_of_replicas_open(fs):
+    """Every open file keeps the replicas of the blocks it used open (two descriptors
+    each), at most OPEN_BLOCKS_PER_FILE per file; many such files together ran the daemon
+    out of descriptors (30 files of 64 blocks each, read with the usual limit of 1,024,
+    answered EIO). Across all files, the least recently used blocks are closed beyond
+    ``max_open_replicas``, whether the file read or wrote them, and reopened when used
+    again; every byte stays right."""
+    fs.blockio.max_open_replicas = 8
+    payloads, handles = {}, {}
+    for i in range(5):
+        fh, ino = fs.create(f"f{i}".encode())
+        payloads[ino] = os.urandom(6 * BS + i)
+        for off in range(0, len(payloads[ino]), BS // 2):
+            fs.write(fh, off, payloads[ino][off:off + BS // 2])
+            assert fs.blockio.open_replicas <= 8
+        handles[ino] = fh
+    assert fs.blockio.open_replicas == _open_replica_count(fs) == 8
+    for _ in range(2):  # all five files stay open; every block is reopened in turn
+        for ino, fh in handles.items():
+            for off in range(0, len(payloads[ino]), BS):
+                assert fs.read(fh, off, BS) == payloads[ino][off:off + BS]
+                assert fs.blockio.open_replicas == _open_replica_count(fs) <= 8
+    for fh in handles.values():
+        fs.release(fh)
+    assert fs.blockio.open_replicas == 0 and not fs.blockio.open_blocks
+
+
+def test_running_out_of_descriptors_fails_the_request_but_blames_no_replica(fs, monkeypatch):
+    """EMFILE while opening a replica says the daemon has too many files open, not that
+    the replica is bad: the read or write fails with EMFILE, no replica is reported to the
+    replication monitor or dropped from its block, and once descriptors are free again
+    the same handle reads and writes as before."""
+    fh, ino = fs.create(b"f")
+    payload = os.urandom(2 * BS)
+    fs.write(fh, 0, payload)
+    fs.release(fh)
+    volumes_before = {i: rec.volumes for i, rec in fs.ns.get_blocks(ino).items()}
+    reported = []
+    monkeypatch.setattr(fs.blockio, "on_bad_replica", lambda *a: reported.append(a))
+    real_open = os.open
+
+    def out_of_descriptors(path, *args, **kwargs):
+        if "blk_" in os.fspath(path):
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE), os.fspath(path))
+        return real_open(path, *args, **kwargs)
+
+    fh = fs.open(ino, os.O_RDWR)
+    monkeypatch.setattr(os, "open", out_of_descriptors)
+    assert fs.errno_of(fs.ops.read, fh, 0, 100) == errno.EMFILE
+    assert fs.errno_of(fs.ops.write, fh, BS + 5, b"new") == errno.EMFILE
+    monkeypatch.setattr(os, "open", real_open)
+    assert reported == []
+    assert {i: rec.volumes for i, rec in fs.ns.get_blocks(ino).items()} == volumes_before
+    assert fs.read(fh, 0, 2 * BS) == payload
+    fs.write(fh, BS + 5, b"new")
+    fs.release(fh)
+    fh = fs.open(ino, os.O_RDONLY)
+    assert fs.read(fh, 0, 2 * BS) == payload[:BS + 5] + b"new" + payload[BS + 8:]
+    fs.release(fh)
+
+
 def test_overwrite_in_a_later_session(fs):
     fh, f = fs.create(b"f")
     payload = bytearray(os.urandom(2 * BS))

@@ -546,3 +546,63 @@ def test_a_file_of_many_blocks_keeps_a_bounded_number_open(replicated):
     assert after_write <= bound and after_read <= bound, (after_write, after_read, bound)
     assert got == data
     time.sleep(0.2)  # let the RELEASE be answered before the fixture unmounts
+
+
+def _daemon_soft_descriptor_limit(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            return int(line.split()[3])
+    raise AssertionError(f"no descriptor limit in /proc/{pid}/limits")
+
+
+def test_many_open_files_of_many_blocks_under_the_usual_descriptor_limit(tmp_path):
+    """30 files of 64 blocks each, all open at once and read and rewritten in turn, by a
+    daemon started with the usual limit of 1,024 descriptors (soft and hard). Each file
+    may keep 64 blocks open, two descriptors each: 3,840 together. Before, reads answered
+    EIO and the replication monitor logged the replicas as lost; now the daemon closes
+    the least recently used blocks of all files and every byte comes back right."""
+    data = tmp_path / "data"
+    run_tool("mkfs", str(data), *SMALL_BLOCKS)
+    mount = Mount(data, tmp_path / "mnt", descriptor_limit=(1024, 1024)).start()
+    size = 64 * BLOCK
+    paths = [mount.mountpoint / f"f{i}" for i in range(30)]
+    expected = {path: bytearray(content(100 + i, size)) for i, path in enumerate(paths)}
+    try:
+        assert _daemon_soft_descriptor_limit(mount.pid) == 1024
+        for path, payload in expected.items():
+            path.write_bytes(payload)
+            evict(path)
+        fds = [os.open(path, os.O_RDWR) for path in paths]
+        try:
+            for offset in range(0, size, 1 << 20):  # every file in turn, all kept open
+                for fd, path in zip(fds, paths):
+                    assert os.pread(fd, 1 << 20, offset) == expected[path][offset:offset + (1 << 20)]
+            for offset in range(BLOCK // 2, size, 4 * BLOCK):
+                for i, (fd, path) in enumerate(zip(fds, paths)):
+                    piece = content(200 + i + offset, 2 * BLOCK)
+                    os.pwrite(fd, piece, offset)
+                    expected[path][offset:offset + len(piece)] = piece
+            for fd in fds:
+                os.fsync(fd)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        for path in paths:
+            evict(path)
+            assert path.read_bytes() == expected[path], path.name
+        time.sleep(0.2)  # let the RELEASEs be answered before the unmount
+    finally:
+        mount.stop()
+    assert not mount.errors_logged(), "\n".join(mount.errors_logged())
+    assert_fsck_clean(data)
+
+
+def test_the_daemon_raises_its_soft_descriptor_limit_to_the_hard_one(tmp_path):
+    """A login's soft limit (1,024) is far below the hard one the daemon may take."""
+    data = tmp_path / "data"
+    run_tool("mkfs", str(data))
+    mount = Mount(data, tmp_path / "mnt", descriptor_limit=(512, 4096)).start()
+    try:
+        assert _daemon_soft_descriptor_limit(mount.pid) == 4096
+    finally:
+        mount.stop()
