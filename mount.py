@@ -14,7 +14,6 @@ Exit codes: 0 mounted (or unmounted cleanly with -f), 1 cannot mount, 2 usage.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import errno
 import logging
 import os
@@ -28,9 +27,10 @@ from pathlib import Path
 import pyfuse3
 import trio
 
+from tierfs.backends.volume import syncfs
 from tierfs.backends.volume_set import VolumeSet
 from tierfs.fs import fuseloop
-from tierfs.fs.blockio import BlockIO
+from tierfs.fs.blockio import UNSYNCED_FILES_MAX, BlockIO
 from tierfs.fs.errors import FsError, UsageError
 from tierfs.fs.mountlock import MountLock
 from tierfs.fs.namespace import Namespace, new_session_id
@@ -45,7 +45,6 @@ log = logging.getLogger("tierfs.mount")
 
 TICK_SECONDS = 1.0
 SIGNAL_FLUSH_SECONDS = 30.0
-_LIBC = ctypes.CDLL(None, use_errno=True)
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s: %(message)s"
 
 
@@ -248,6 +247,8 @@ async def _tick(blockio: BlockIO, ns: Namespace) -> None:
         try:
             blockio.persist_all()
             await blockio.sync_namespace()
+            if len(blockio.unsynced) > UNSYNCED_FILES_MAX:
+                await blockio.settle_unsynced()
         except FsError as exc:
             if str(exc) != failing:
                 log.error("metadata not persisted (retried every second): %s", exc)
@@ -282,12 +283,10 @@ async def _flush_then_cancel(mountpoint: str, scope: trio.CancelScope) -> None:
 
 
 def _syncfs(mountpoint: str) -> None:
-    fd = os.open(mountpoint, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        if _LIBC.syncfs(fd) != 0:
-            log.warning("syncfs of %s failed: %s", mountpoint, os.strerror(ctypes.get_errno()))
-    finally:
-        os.close(fd)
+        syncfs(mountpoint)
+    except OSError as exc:
+        log.warning("syncfs of %s failed: %s", mountpoint, exc.strerror or exc)
 
 
 def run(args, ready_fd: int | None) -> int:

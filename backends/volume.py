@@ -23,6 +23,7 @@ and startup cleanup removes both.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
@@ -38,6 +39,8 @@ from tierfs.backends.meta import HEADER_SIZE, header_bytes, parse_header
 from tierfs.backends.replica import Replica, _BlockState
 from tierfs.backends.storage_types import StorageType
 from tierfs.fs.errors import ChecksumError, VolumeError
+
+_libc = ctypes.CDLL(None, use_errno=True)
 
 IDENTITY_FILE = "VERSION"
 """JSON: ``{"layout_version": 1, "fs_uuid", "volume_uuid", "volume_id", "storage_type"}``."""
@@ -632,6 +635,18 @@ def _abandon(fds: list[int], made: list[str]) -> None:
             os.unlink(p)
         except OSError:
             pass
+
+
+def syncfs(path) -> None:
+    """syncfs(2) on the filesystem holding ``path``: every dirty page, inode and journal
+    entry of that filesystem reaches its disk. Raises OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if _libc.syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err), os.fspath(path))
+    finally:
+        os.close(fd)
 
 
 def _errno(e: OSError) -> int:

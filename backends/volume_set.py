@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from tierfs.backends.storage_types import StorageType
-from tierfs.backends.volume import Volume
+from tierfs.backends.volume import Volume, syncfs
 from tierfs.fs.errors import FsError
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,20 @@ class VolumeSet:
             return self.by_id[volume_id]
         except KeyError:
             raise FsError(errno.EIO, f"unknown volume id {volume_id}") from None
+
+    def sync_filesystems(self) -> None:
+        """syncfs once on each filesystem that holds a volume: everything written to any
+        replica so far is durable afterwards. Raises FsError(EIO) naming the volume."""
+        synced: set[int] = set()
+        for volume in self.by_id.values():
+            try:
+                device = os.stat(volume.path).st_dev
+                if device not in synced:
+                    syncfs(volume.path)
+                    synced.add(device)
+            except OSError as e:
+                raise FsError(errno.EIO, f"cannot sync volume {volume.path}: "
+                                         f"{e.strerror or e}") from e
 
     def types(self) -> set[StorageType]:
         return {v.storage_type for v in self.by_id.values()}
