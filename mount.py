@@ -222,6 +222,7 @@ async def serve(ops: Operations, blockio: BlockIO, ns: Namespace, mountpoint: st
     async with trio.open_nursery() as nursery:
         ops.nursery = nursery
         nursery.start_soon(_tick, blockio, ns)
+        nursery.start_soon(_settle_unsynced, blockio)
         nursery.start_soon(_signals, mountpoint)
         nursery.start_soon(_tune_after_init, ops, mountpoint)
         nursery.start_soon(ops.replication.run)
@@ -247,8 +248,6 @@ async def _tick(blockio: BlockIO, ns: Namespace) -> None:
         try:
             blockio.persist_all()
             await blockio.sync_namespace()
-            if len(blockio.unsynced) > UNSYNCED_FILES_MAX:
-                await blockio.settle_unsynced()
         except FsError as exc:
             if str(exc) != failing:
                 log.error("metadata not persisted (retried every second): %s", exc)
@@ -257,6 +256,16 @@ async def _tick(blockio: BlockIO, ns: Namespace) -> None:
             if failing is not None:
                 log.info("metadata persisted again")
             failing = None
+
+
+async def _settle_unsynced(blockio: BlockIO) -> None:
+    """Beyond UNSYNCED_FILES_MAX closed files with unsynced blocks, sync the volumes and
+    forget those blocks (``BlockIO.settle_unsynced``). A task of its own beside the tick:
+    a syncfs after a large copy may take long, and metadata must not wait for it."""
+    while True:
+        await trio.sleep(TICK_SECONDS)
+        if blockio.closed_unsynced_files() > UNSYNCED_FILES_MAX:
+            await blockio.settle_unsynced()
 
 
 async def _signals(mountpoint: str) -> None:

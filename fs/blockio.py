@@ -124,6 +124,9 @@ class BlockIO:
         # While ``settle_unsynced`` waits for its syncfs: the inodes opened meanwhile,
         # whose remembered blocks it must leave alone (they may be written again).
         self._opened_while_settling: set[int] | None = None
+        # Why a syncfs of the volumes failed, once one did: from then on nothing is
+        # forgotten by syncfs (see ``settle_unsynced``).
+        self.settling_failed: str | None = None
         # Told about blocks that need replication work: (ino, index), e.g. a new block
         # placed only on transient volumes, or a replica dropped from a write pipeline.
         self.on_needs_replication: Callable[[int, int], None] = lambda ino, index: None
@@ -195,8 +198,9 @@ class BlockIO:
             of.writable.discard(index)
             self.open_replicas -= self.open_blocks.pop((of.ino, index), 0)
 
-    def _opened(self, of: OpenFile, index: int) -> None:
-        """``of.replicas[index]`` was just opened: count it, as the most recently used."""
+    def _count_open(self, of: OpenFile, index: int) -> None:
+        """``of.replicas[index]`` was just set (opened, or fewer after a failure): count
+        it, as the most recently used block."""
         key = (of.ino, index)
         self.open_replicas += len(of.replicas[index]) - self.open_blocks.pop(key, 0)
         self.open_blocks[key] = len(of.replicas[index])
@@ -282,17 +286,33 @@ class BlockIO:
         for volume, block_id, gs in closed:
             volume.sync_replica(block_id, gs)
 
+    def closed_unsynced_files(self) -> int:
+        """Files no longer open whose unsynced blocks are remembered (every open file has
+        an entry in ``unsynced`` too)."""
+        return len(self.unsynced) - len(self.files)
+
     async def settle_unsynced(self) -> int:
         """Forget the unsynced blocks of files no longer open, once a syncfs of every
         volume has made them durable; returns how many files were forgotten. A file opened
-        while the syncfs runs keeps its record (it may have been written again since)."""
+        while the syncfs runs keeps its record (it may have been written again since).
+
+        A failed syncfs disables this for the rest of the mount: the kernel reports a
+        write-back error to one syncfs only, so a later one would succeed and forget blocks
+        that never reached the disk, and a later fsync of their file would succeed too.
+        (Nor does a kernel before 5.8 report write-back errors through syncfs at all.)
+        """
         settled = {ino: set(blocks) for ino, blocks in self.unsynced.items()
                    if ino not in self.files}
-        if not settled:
+        if not settled or self.settling_failed is not None:
             return 0
         self._opened_while_settling = opened = set()
         try:
             await trio.to_thread.run_sync(self.volumes.sync_filesystems)
+        except FsError as exc:
+            self.settling_failed = str(exc)
+            log.error("%s: the unsynced blocks of closed files stay remembered until "
+                      "they are fsynced or unlinked", exc)
+            return 0
         finally:
             self._opened_while_settling = None
         forgotten = 0
@@ -359,7 +379,7 @@ class BlockIO:
         if index in of.replicas and (not writable or index in of.writable):
             if index != next(reversed(of.replicas)):
                 of.replicas[index] = of.replicas.pop(index)  # most recently used: last
-                self.open_blocks.move_to_end((of.ino, index))
+            self.open_blocks.move_to_end((of.ino, index))
             return of.replicas[index]
         self.retire_replicas(of, [index])
         rec = of.blocks[index]
@@ -377,7 +397,7 @@ class BlockIO:
                 failed.append(volume.id)
                 self.on_bad_replica(of.ino, index, volume.id, str(exc))
         of.replicas[index] = opened
-        self._opened(of, index)
+        self._count_open(of, index)
         if writable:
             of.writable.add(index)
             if failed:
@@ -553,6 +573,7 @@ class BlockIO:
         if failed:
             replicas = [r for r in replicas if r not in failed]
             of.replicas[index] = replicas
+            self._count_open(of, index)
             self._retire(of, failed)
             self._drop_from_pipeline(of, index, replicas, [r.volume.id for r in failed])
             failed = []
@@ -570,6 +591,7 @@ class BlockIO:
                 failed.append(replica)
         if failed:
             of.replicas[index] = good
+            self._count_open(of, index)
             self._retire(of, failed)
             self._drop_from_pipeline(of, index, good, [r.volume.id for r in failed])
         if boff + len(piece) > rec.length:
@@ -594,6 +616,7 @@ class BlockIO:
         if failed:
             good = [r for r in replicas if r not in failed]
             of.replicas[index] = good
+            self._count_open(of, index)
             self._retire(of, failed)
             replicas[:] = good
             self.ns.drop_replicas(of.ino, index, tuple(r.volume.id for r in failed), gs)
@@ -628,7 +651,7 @@ class BlockIO:
             raise
         of.blocks[index] = rec
         of.replicas[index] = sorted(replicas, key=lambda r: int(r.volume.storage_type))
-        self._opened(of, index)
+        self._count_open(of, index)
         if sum(not v.storage_type.transient for v in volumes) < replication:
             # lazy persist (RAM_DISK only), or too few allowed volumes had room
             self.on_needs_replication(of.ino, index)
