@@ -276,7 +276,7 @@ class Volume:
                     os.close(fd)
             except OSError as e:
                 raise VolumeError(f"cannot sync {path.name} on volume {self.path}: "
-                                  f"{e.strerror or e}") from e
+                                  f"{e.strerror or e}", _errno(e)) from e
 
     def delete_replica(self, block_id: int, gs: int | None = None) -> None:
         """Delete the data file and the meta file of ``gs`` (every meta file if gs is None).

@@ -406,6 +406,29 @@ def test_create_refuses_an_existing_replica(volume):
     assert volume.used_bytes() == 7
 
 
+@pytest.mark.parametrize("err, expected", [(errno.EMFILE, errno.EMFILE),
+                                            (errno.ENFILE, errno.ENFILE),
+                                            (errno.EACCES, errno.EIO)])
+def test_out_of_descriptors_is_not_a_volume_error(volume, monkeypatch, err, expected):
+    """Opening or syncing a replica when the process has no descriptor left says so
+    (EMFILE/ENFILE), so that callers do not count it against the replica or the volume;
+    any other failure is EIO."""
+    volume.create_replica(BLOCK, GS, 512).close()
+    real_open = os.open
+
+    def failing_open(path, *args, **kwargs):
+        if "blk_" in os.fspath(path):
+            raise OSError(err, os.strerror(err), os.fspath(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", failing_open)
+    with pytest.raises(VolumeError) as opening:
+        volume.open_replica(BLOCK, GS, writable=False)
+    with pytest.raises(VolumeError) as syncing:
+        volume.sync_replica(BLOCK, GS)
+    assert (opening.value.errno, syncing.value.errno) == (expected, expected)
+
+
 def test_write_read_round_trip(volume):
     data = os.urandom(10_000)
     with volume.create_replica(BLOCK, GS, 512) as r:
