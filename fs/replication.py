@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 ROUND_SECONDS = 0.5
 RETRY_SECONDS = 5.0
 BATCH = 256
+YIELD_EVERY = 64
 
 
 class ReplicationMonitor:
@@ -91,10 +92,15 @@ class ReplicationMonitor:
             await self.round()
 
     async def round(self) -> int:
-        """One pass over the pending blocks; returns how many replicas it added."""
+        """One pass over the pending blocks; returns how many replicas it added. It lets
+        requests run every YIELD_EVERY blocks: blocks that need no copy (already repaired,
+        deleted, or waiting for a retry) take no await, and after a lost volume there may be
+        a million of them."""
         added = 0
         now = time.monotonic()
-        for key in sorted(self.pending):
+        for count, key in enumerate(sorted(self.pending), 1):
+            if count % YIELD_EVERY == 0:
+                await trio.sleep(0)
             if self.retry_at.get(key, 0) > now:
                 continue
             ino, index = key

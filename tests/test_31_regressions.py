@@ -234,6 +234,35 @@ def test_copy_racing_a_writer_that_restamps_the_block_is_retried_not_fatal(tmp_p
         assert trio.run(scenario, ops) == 1
 
 
+def test_a_replication_round_over_many_blocks_lets_requests_run(tmp_path):
+    """A round over blocks that need no copy (here: of inodes that do not exist) takes no
+    await of its own; over thousands of them it must still hand the event loop to the
+    request handlers now and then, not stall them for the whole round."""
+    with prepared(new_filesystem(tmp_path)) as (ops, blockio, ns):
+        monitor = ops.replication
+        for ino in range(1000, 3000):
+            monitor.note(ino, 0)
+        turns = []
+
+        async def round_beside_a_request_handler():
+            async with trio.open_nursery() as nursery:
+                done = trio.Event()
+
+                async def handler():
+                    while not done.is_set():
+                        turns.append(1)
+                        await trio.sleep(0)
+
+                nursery.start_soon(handler)
+                await trio.sleep(0)
+                assert await monitor.round() == 0
+                done.set()
+
+        trio.run(round_beside_a_request_handler)
+        assert not monitor.pending
+    assert len(turns) >= 2000 // 64, len(turns)
+
+
 def test_an_unexpected_error_in_background_replication_is_logged_and_retried(tmp_path,
                                                                              caplog):
     """Whatever goes wrong with one block, the monitor's round logs it (with the traceback:
