@@ -133,8 +133,8 @@ def detach_if_aborted(mountpoint: str, device: str | None, aborted: bool) -> Non
         log.warning("could not detach the dead mount on %s: %s", mountpoint, problem)
 
 
-def raise_descriptor_limit() -> int:
-    """Raise the soft limit of open descriptors to the hard one and return it.
+def raise_descriptor_limit() -> None:
+    """Raise the soft limit of open descriptors to the hard one.
 
     The daemon keeps two or three descriptors per open replica, and a login's usual soft
     limit of 1,024 is soon used up by a few files of many blocks, whereas the hard limit
@@ -144,13 +144,11 @@ def raise_descriptor_limit() -> int:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     target = hard if hard != resource.RLIM_INFINITY else 1 << 20
     if soft == resource.RLIM_INFINITY or soft >= target:
-        return soft
+        return
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
     except (ValueError, OSError) as exc:  # e.g. above fs.nr_open
         log.info("descriptor limit left at %d: %s", soft, exc)
-        return soft
-    return target
 
 
 def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:

@@ -12,7 +12,6 @@ Each one first makes sure its inputs exist, untimed, so that ``--only`` can run 
 
 from __future__ import annotations
 
-import ctypes
 import os
 import random
 import statistics
@@ -21,6 +20,8 @@ from dataclasses import dataclass, replace
 from time import perf_counter
 
 from progress import Progress
+
+from tierfs.backends.volume import syncfs
 
 MiB = 1 << 20
 POLICY_XATTR = "user.tierfs.storage_policy"
@@ -520,25 +521,13 @@ def drop_caches(paths: tuple[str, ...]) -> None:
     if os.geteuid() != 0:
         raise SkipWorkload("dropping the page cache needs root")
     for path in paths:
-        _syncfs(path)
+        syncfs(path)
     try:
         with open("/proc/sys/vm/drop_caches", "w") as control:
             control.write("3\n")
     except OSError as e:
         raise SkipWorkload(f"cannot drop the page cache: {e}") from e
     PageCache.drops += 1
-
-
-def _syncfs(path: str) -> None:
-    """syncfs(2) on the filesystem holding ``path``."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        if libc.syncfs(fd) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"syncfs: {os.strerror(err)}", path)
-    finally:
-        os.close(fd)
 
 
 def _expect_size(path: str, size: int) -> None:

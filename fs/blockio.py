@@ -56,7 +56,7 @@ OPEN_BLOCKS_PER_FILE = 64
 OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 
 # Files no longer open whose blocks written since their last fsync are remembered, so that
-# a later open + fsync syncs them. Beyond this many, the one-second tick syncs every
+# a later open + fsync syncs them. Beyond this many, a task of the mount syncs every
 # volume's filesystem and forgets the blocks that made durable (``settle_unsynced``):
 # each remembered file costs about 300 bytes, and ``cp -a``, ``tar x`` or ``rsync`` of
 # millions of files fsync none of them.
@@ -301,9 +301,11 @@ class BlockIO:
         that never reached the disk, and a later fsync of their file would succeed too.
         (Nor does a kernel before 5.8 report write-back errors through syncfs at all.)
         """
+        if self.settling_failed is not None:
+            return 0
         settled = {ino: set(blocks) for ino, blocks in self.unsynced.items()
                    if ino not in self.files}
-        if not settled or self.settling_failed is not None:
+        if not settled:
             return 0
         self._opened_while_settling = opened = set()
         try:
