@@ -23,6 +23,7 @@ which would lose what open files hold in memory.
 from __future__ import annotations
 
 import errno
+import heapq
 import logging
 import time
 
@@ -51,9 +52,15 @@ class ReplicationMonitor:
         self.volumes = volumes
         self.blockio = blockio
         self.resolver = resolver
+        # Every block that may need a copy is pending; it is either ready (looked at in the
+        # next round) or backing off until retry_at, in the heap ``waiting``. A round only
+        # touches ready blocks and the waiting ones that came due, so after a lost volume
+        # with no room elsewhere a million blocks backing off cost nothing per round.
         self.pending: set[tuple[int, int]] = set()
-        self.bad: dict[tuple[int, int], dict[int, str]] = {}
+        self.ready: set[tuple[int, int]] = set()
         self.retry_at: dict[tuple[int, int], float] = {}
+        self.waiting: list[tuple[float, tuple[int, int]]] = []  # heap; stale entries skipped
+        self.bad: dict[tuple[int, int], dict[int, str]] = {}
         self.failures: dict[tuple[int, int], str] = {}
         # Volumes where a copy of a block failed (e.g. leftovers of a dropped replica that
         # could not be deleted yet): the next attempt goes elsewhere.
@@ -64,8 +71,24 @@ class ReplicationMonitor:
     # --- intake ----------------------------------------------------------------------------
 
     def note(self, ino: int, index: int) -> None:
+        """Look at this block in the next round, whatever back-off it was in."""
         self.pending.add((ino, index))
+        self.ready.add((ino, index))
         self.retry_at.pop((ino, index), None)
+
+    def _back_off(self, key: tuple[int, int]) -> None:
+        due = time.monotonic() + RETRY_SECONDS
+        self.retry_at[key] = due
+        heapq.heappush(self.waiting, (due, key))
+
+    def _take_due(self, now: float) -> None:
+        """Move the backed-off blocks whose time has come to ``ready``. A heap entry whose
+        block was noted again, or backed off anew, since it was pushed is stale: skipped."""
+        while self.waiting and self.waiting[0][0] <= now:
+            due, key = heapq.heappop(self.waiting)
+            if self.retry_at.get(key) == due:
+                del self.retry_at[key]
+                self.ready.add(key)
 
     def report_bad(self, ino: int, index: int, volume_id: int, reason: str) -> None:
         self.bad.setdefault((ino, index), {})[volume_id] = reason
@@ -92,27 +115,24 @@ class ReplicationMonitor:
             await self.round()
 
     async def round(self) -> int:
-        """One pass over the pending blocks; returns how many replicas it added. It lets
+        """One pass over the ready blocks; returns how many replicas it added. It lets
         requests run every YIELD_EVERY blocks: blocks that need no copy (already repaired,
-        deleted, or waiting for a retry) take no await, and after a lost volume there may be
-        a million of them."""
+        or deleted) take no await, and after a lost volume there may be a million of them.
+
+        A block noted again while its repair awaited (a read found another bad replica,
+        say) stays ready for the next round rather than being forgotten with this one."""
         added = 0
-        now = time.monotonic()
-        for count, key in enumerate(sorted(self.pending), 1):
+        self._take_due(time.monotonic())
+        for count, key in enumerate(sorted(self.ready), 1):
             if count % YIELD_EVERY == 0:
                 await trio.sleep(0)
-            if self.retry_at.get(key, 0) > now:
-                continue
             ino, index = key
             of = self.blockio.files.get(ino)
             if of is not None and of.writers:
-                continue
+                continue  # stays ready: looked at again once the writers are gone
+            self.ready.discard(key)
             try:
                 added += await self._repair(ino, index)
-                self.pending.discard(key)
-                self.avoid.pop(key, None)
-                self.failures.pop(key, None)
-                self.retry_at.pop(key, None)
             except Exception as exc:  # noqa: BLE001 - background work must not end the mount
                 reason = copy_error(exc)
                 if not isinstance(exc, FsError):
@@ -121,7 +141,13 @@ class ReplicationMonitor:
                 elif self.failures.get(key) != reason:
                     log.warning("replication of block %d of inode %d: %s", index, ino, reason)
                 self.failures[key] = reason
-                self.retry_at[key] = time.monotonic() + RETRY_SECONDS
+                if key not in self.ready:
+                    self._back_off(key)
+                continue
+            if key not in self.ready:
+                self.pending.discard(key)
+                self.avoid.pop(key, None)
+                self.failures.pop(key, None)
         return added
 
     # --- one block ----------------------------------------------------------------------------

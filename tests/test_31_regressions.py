@@ -279,6 +279,87 @@ def test_an_unexpected_error_in_background_replication_is_logged_and_retried(tmp
     assert "RuntimeError: injected" in caplog.text
 
 
+def _count_turns_beside(coroutine_fn):
+    """Run ``coroutine_fn`` beside a task standing in for the request handlers; return its
+    result and how many times the handlers got the event loop meanwhile."""
+    turns, result = [], {}
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            started, done = trio.Event(), trio.Event()
+
+            async def handler():
+                started.set()
+                while not done.is_set():
+                    turns.append(1)
+                    await trio.sleep(0)
+
+            nursery.start_soon(handler)
+            await started.wait()
+            before = len(turns)
+            result["value"] = await coroutine_fn()
+            result["turns"] = len(turns) - before
+            done.set()
+
+    trio.run(main)
+    return result["value"], result["turns"]
+
+
+def test_blocks_backing_off_cost_a_replication_round_nothing(tmp_path, monkeypatch):
+    """After a lost volume with no room left to copy to, every under-replicated block
+    fails and backs off. A round used to walk (and sort) all of them every half second,
+    however few were due; now it looks only at the ones whose time has come."""
+    from tierfs.fs import replication
+    from tierfs.fs.errors import FsError
+    tried = []
+
+    async def no_room(ino, index):
+        tried.append((ino, index))
+        raise FsError(errno.ENOSPC, "no room")
+
+    with prepared(new_filesystem(tmp_path)) as (ops, blockio, ns):
+        monitor = ops.replication
+        monitor._repair = no_room
+        for ino in range(1000, 6000):
+            monitor.note(ino, 0)
+        assert trio.run(monitor.round) == 0
+        assert len(tried) == 5000 and len(monitor.retry_at) == 5000
+        tried.clear()
+        monitor.note(1000, 0)  # noted again: looked at in the next round, at once
+        added, turns = _count_turns_beside(monitor.round)
+        assert added == 0 and tried == [(1000, 0)]
+        assert turns == 0, turns  # before: one turn per 64 backing-off blocks walked
+        assert len(monitor.pending) == 5000
+        later = replication.time.monotonic() + replication.RETRY_SECONDS + 1
+        monkeypatch.setattr(replication.time, "monotonic", lambda: later)
+        tried.clear()
+        trio.run(monitor.round)
+        assert sorted(tried) == [(ino, 0) for ino in range(1000, 6000)]
+
+
+def test_a_block_noted_again_during_its_repair_is_not_forgotten(tmp_path):
+    """A read that finds another bad replica while the monitor is copying the block notes
+    it again; the round used to drop it from the pending set when that copy finished,
+    leaving the new report unattended until something noted the block once more."""
+    calls = []
+
+    async def repair_while_a_read_reports(ino, index):
+        calls.append((ino, index))
+        if len(calls) == 1:
+            monitor.report_bad(ino, index, 2, "checksum error at offset 0")
+        return 1
+
+    with prepared(new_filesystem(tmp_path)) as (ops, blockio, ns):
+        monitor = ops.replication
+        monitor._repair = repair_while_a_read_reports
+        monitor.note(7, 0)
+        assert trio.run(monitor.round) == 1
+        assert (7, 0) in monitor.pending and (7, 0) in monitor.ready
+        assert trio.run(monitor.round) == 1
+        assert calls == [(7, 0), (7, 0)] and not monitor.pending
+        monitor.bad.clear()
+
+
 def _namespace_full(ns, monkeypatch):
     """Inject a full namespace disk: every persist of an open file fails with ENOSPC until
     the returned switch is turned off."""
