@@ -416,7 +416,7 @@ class Replica:
         if aligned >= DIRECT_WRITE_BYTES and offset % DIRECT_ALIGN == 0:
             if self._direct_fd is None:
                 self._direct_fd = _open_direct(self._data_fd)
-            if self._direct_fd >= 0:
+            if self._direct_fd is not None and self._direct_fd >= 0:
                 buf = _direct_buffer(aligned)
                 buf[:aligned] = byte_view(data)[:aligned]
                 try:
@@ -713,13 +713,15 @@ def _direct_buffer(nbytes: int) -> mmap.mmap:
     return buf
 
 
-def _open_direct(fd: int) -> int:
-    """A second, write-only ``O_DIRECT`` descriptor on the file open as ``fd``, or -1 where
-    the filesystem refuses direct I/O (the writes then stay in the page cache)."""
+def _open_direct(fd: int) -> int | None:
+    """A second, write-only ``O_DIRECT`` descriptor on the file open as ``fd``; -1 where
+    the filesystem refuses direct I/O (this replica's writes then stay in the page cache);
+    None when the process is out of descriptors for now (this write goes through the page
+    cache, the next large one tries again)."""
     try:
         return os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
-    except OSError:
-        return -1
+    except OSError as e:
+        return None if e.errno in (errno.EMFILE, errno.ENFILE) else -1
 
 
 def _start_writeback(fd: int, offset: int, nbytes: int) -> None:

@@ -1139,6 +1139,31 @@ def test_writes_fall_back_to_the_page_cache_without_direct_io(volume, monkeypatc
     assert_replica_files(volume, BLOCK + 1, GS, 4096, data * 2)
 
 
+def test_direct_writes_resume_after_running_out_of_descriptors(volume, monkeypatch):
+    """Out of descriptors (EMFILE) when the O_DIRECT descriptor is first wanted says nothing
+    about the filesystem: that write goes through the page cache and the next large one
+    opens it after all (it used to stay on the page cache until the replica was reopened)."""
+    real_open = os.open
+    refusals = []
+
+    def out_of_descriptors_once(path, flags, *args):
+        if flags & os.O_DIRECT and not refusals:
+            refusals.append(path)
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(path, flags, *args)
+
+    data = os.urandom(2 * DIRECT_WRITE_BYTES)
+    monkeypatch.setattr(os, "open", out_of_descriptors_once)
+    with volume.create_replica(BLOCK, GS, 4096) as replica:
+        replica.write(0, data[:DIRECT_WRITE_BYTES])
+        assert len(refusals) == 1 and cachestat(volume.data_path(BLOCK), len(data)).nr_dirty > 0
+        replica.fsync()
+        replica.write(DIRECT_WRITE_BYTES, data[DIRECT_WRITE_BYTES:])
+        assert cachestat(volume.data_path(BLOCK), len(data)).nr_dirty == 0  # went direct
+        assert replica.read(0, len(data)) == data
+    assert_replica_files(volume, BLOCK, GS, 4096, data)
+
+
 def fcntl_flags(fd: int) -> int:
     return fcntl.fcntl(fd, fcntl.F_GETFL)
 
