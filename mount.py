@@ -246,9 +246,12 @@ async def _tick(blockio: BlockIO, ns: Namespace) -> None:
         try:
             blockio.persist_all()
             await blockio.sync_namespace()
-        except FsError as exc:
+        except Exception as exc:  # noqa: BLE001 - ending the daemon loses what open files hold
             if str(exc) != failing:
-                log.error("metadata not persisted (retried every second): %s", exc)
+                if isinstance(exc, FsError):
+                    log.error("metadata not persisted (retried every second): %s", exc)
+                else:
+                    log.exception("BUG: metadata not persisted (retried every second)")
             failing = str(exc)
         else:
             if failing is not None:

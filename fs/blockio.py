@@ -43,10 +43,10 @@ from tierfs.backends.volume_set import VolumeSet
 from tierfs.fs.errors import FsError
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.schema import BlockRecord, Inode
+from tierfs.fs.times import atime_due
 
 log = logging.getLogger(__name__)
 
-RELATIME_NS = 24 * 3600 * 10**9
 # Blocks whose replicas one open file keeps open (two descriptors per replica), least
 # recently used closed first: a file of many small blocks written or read through one
 # handle would otherwise run the daemon out of descriptors (seen with 1 KiB blocks: a
@@ -259,10 +259,18 @@ class BlockIO:
         of.attrs_dirty = False
 
     def persist_all(self) -> None:
-        """The one-second tick: every open file's metadata reaches the namespace."""
+        """The one-second tick: every open file's metadata reaches the namespace. A file
+        that cannot be persisted does not hold up the others; the first error is raised
+        after all were tried."""
+        first_error = None
         for of in list(self.files.values()):
             if of.attrs_dirty or of.dirty:
-                self.persist(of)
+                try:
+                    self.persist(of)
+                except Exception as exc:  # noqa: BLE001 - re-raised below
+                    first_error = first_error or exc
+        if first_error is not None:
+            raise first_error
 
     async def fsync(self, of: OpenFile) -> None:
         """Make the file's data and all metadata durable before returning."""
@@ -501,17 +509,17 @@ class BlockIO:
         return plan
 
     def _touch_atime(self, of: OpenFile) -> None:
-        """relatime: update atime only when it is older than mtime/ctime or a day old."""
+        """relatime (``fs/times.py``), kept in memory with the file's other times."""
         now = time.time_ns()
-        if (of.atime_ns <= of.mtime_ns or of.atime_ns <= of.ctime_ns
-                or now - of.atime_ns > RELATIME_NS):
+        if atime_due(of.atime_ns, of.mtime_ns, of.ctime_ns, now):
             of.atime_ns = now
             of.attrs_dirty = True
 
     # --- write ---------------------------------------------------------------------------------
 
-    def write(self, of: OpenFile, offset: int, data) -> int:
-        """Write ``data`` at ``offset``; returns the byte count (all or an error)."""
+    def write(self, of: OpenFile, offset: int, data, *, stamp_times: bool = True) -> int:
+        """Write ``data`` at ``offset``; returns the byte count (all or an error).
+        ``stamp_times``: set mtime and ctime to now (False where the caller owns them)."""
         view = memoryview(data)
         total = len(view)
         pos = 0
@@ -539,10 +547,10 @@ class BlockIO:
             # A later block failed (no room): report the bytes that are written, as a
             # short write (POSIX), so the size covers every block already recorded.
             log.warning("short write to inode %d: %d of %d bytes", of.ino, pos, total)
-        now = time.time_ns()
         if offset + pos > of.size:
             of.size = offset + pos
-        of.mtime_ns = of.ctime_ns = now
+        if stamp_times:
+            of.mtime_ns = of.ctime_ns = time.time_ns()
         of.attrs_dirty = True
         if (offset + pos) % bs == 0:
             self.persist(of)  # a block filled: its length reaches the namespace

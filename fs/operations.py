@@ -34,6 +34,7 @@ from tierfs.fs.errors import FsError
 from tierfs.fs.namespace import NAME_MAX, Namespace
 from tierfs.fs.policy_xattrs import PolicyXattrs, is_policy_xattr
 from tierfs.fs.schema import ROOT_INO, Inode
+from tierfs.fs.times import atime_due, storable_time_ns
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,10 @@ def handler(fn):
 class Handle:
     of: OpenFile
     writer: bool
+    # Opened O_DIRECT: served uncached (``direct_io``). The kernel updates a file's mtime and
+    # ctime itself on a write() into its page cache and sends them with SETATTR; a direct
+    # write it leaves to this daemon.
+    direct: bool = False
 
 
 @dataclass(eq=False)
@@ -266,9 +271,10 @@ class Operations(pyfuse3.Operations):
         if fields.update_gid:
             changes["gid"] = attr.st_gid
         if fields.update_atime:
-            changes["atime_ns"] = attr.st_atime_ns
+            changes["atime_ns"] = storable_time_ns(attr.st_atime_ns)
         if fields.update_mtime:
-            changes["mtime_ns"] = attr.st_mtime_ns
+            changes["mtime_ns"] = storable_time_ns(attr.st_mtime_ns)
+        ctime = storable_time_ns(attr.st_ctime_ns) if fields.update_ctime else now
         times_only = not {"mode", "uid", "gid"} & changes.keys()
         if of is not None and times_only and (changes or fields.update_ctime):
             # An open file's times live in memory until release or the one-second tick;
@@ -276,14 +282,13 @@ class Operations(pyfuse3.Operations):
             # and two transactions each time would double the cost of a small file.
             of.atime_ns = changes.get("atime_ns", of.atime_ns)
             of.mtime_ns = changes.get("mtime_ns", of.mtime_ns)
-            of.ctime_ns = attr.st_ctime_ns if fields.update_ctime else now
+            of.ctime_ns = ctime
             of.attrs_dirty = True
         elif changes or fields.update_ctime or not fields.update_size:
             if of is not None:
                 self.blockio.persist(of)
             # With writeback caching the kernel keeps ctime itself and sends it here; store
             # exactly that, so what stat shows does not move at the next mount.
-            ctime = attr.st_ctime_ns if fields.update_ctime else now
             updated = self.ns.setattr(inode, ctime_ns=ctime, **changes)
             if of is not None:
                 of.atime_ns, of.mtime_ns, of.ctime_ns = (
@@ -304,7 +309,25 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def readlink(self, inode, ctx):
-        return self.ns.readlink(inode)
+        target = self.ns.readlink(inode)
+        self._read_moves_atime(self.ns.get_inode(inode))
+        return target
+
+    def _read_moves_atime(self, inode: Inode) -> None:
+        """relatime for a directory listed or a symlink read (``fs/times.py``). Stored at
+        once, and the kernel told to ask for the attributes again before the reply goes out
+        (only the attributes: nothing to wait for); a namespace that cannot store it (full
+        disk) leaves atime as it was rather than failing the read."""
+        now = time.time_ns()
+        if not atime_due(inode.atime_ns, inode.mtime_ns, inode.ctime_ns, now):
+            return
+        try:
+            self.ns.setattr(inode.ino, atime_ns=now, ctime_ns=inode.ctime_ns)
+        except FsError as exc:
+            log.info("atime of inode %d not updated: %s", inode.ino, exc)
+            return
+        if self.nursery is not None:
+            _invalidate_inode(inode.ino, attr_only=True)
 
     @handler
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
@@ -348,9 +371,10 @@ class Operations(pyfuse3.Operations):
         writer = (flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
         of = self.blockio.acquire(ino, writer=writer, created=created)
         fh = self._fh()
-        self.handles[fh] = Handle(of, writer)
+        direct = bool(flags & os.O_DIRECT)
+        self.handles[fh] = Handle(of, writer, direct)
         fi = pyfuse3.FileInfo(fh=fh)
-        if flags & os.O_DIRECT:
+        if direct:
             fi.direct_io = True
         else:
             fi.keep_cache = True
@@ -383,9 +407,15 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def write(self, fh, off, buf):
-        of = self.handles[fh].of
+        """With writeback caching a WRITE through a cached handle is the kernel writing its
+        pages back, perhaps after it already sent the times of the write() (or sent none:
+        a write in the same clock tick as the last change leaves them as they are). Those
+        times are the ones stat showed, so such a WRITE keeps them; stamping the daemon's
+        clock here made mtime jump forward when the kernel evicted the inode."""
+        handle = self.handles[fh]
+        of = handle.of
         try:
-            return self.blockio.write(of, off, buf)
+            return self.blockio.write(of, off, buf, stamp_times=handle.direct)
         except FsError:
             self._invalidate_later(of.ino)
             raise
@@ -432,6 +462,7 @@ class Operations(pyfuse3.Operations):
         handle = self.dir_handles[fh]
         ino = handle.ino
         if start_id < 1:
+            self._read_moves_atime(self.ns.get_inode(ino))
             if not pyfuse3.readdir_reply(token, b".", self._entry(self.ns.get_inode(ino)), 1):
                 return
         if start_id < 2:
@@ -493,10 +524,7 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def getxattr(self, inode, name, ctx):
-        if len(name) > 255:
-            raise FsError(errno.ERANGE, "attribute name too long")
-        if not name.startswith(XATTR_NAMESPACES):
-            raise FsError(errno.EOPNOTSUPP, "unsupported attribute namespace")
+        self._check_xattr_name(name)
         if is_policy_xattr(name):
             return self.policy_xattrs.get(inode, name)
         return self.ns.get_xattr(inode, name)
@@ -544,9 +572,9 @@ class _NoUmask:
         self.uid, self.gid, self.pid, self.umask = ctx.uid, ctx.gid, ctx.pid, 0
 
 
-def _invalidate_inode(ino: int) -> None:
+def _invalidate_inode(ino: int, attr_only: bool = False) -> None:
     try:
-        pyfuse3.invalidate_inode(ino)
+        pyfuse3.invalidate_inode(ino, attr_only)
     except OSError as exc:
         log.info("kernel cache of inode %d not invalidated: %s", ino, exc)
 

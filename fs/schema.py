@@ -112,6 +112,10 @@ def read_u64(raw: bytes) -> int:
 # --- inodes ----------------------------------------------------------------------------
 
 INODE = struct.Struct(">IIIIQQqqqQQ")
+# atime, mtime and ctime are signed 64-bit nanoseconds ("qqq" above): 1677-09-21 to
+# 2262-04-11. Times from outside are refused (fs/times.py), never stored wrapped.
+TIME_NS_MIN = -(1 << 63)
+TIME_NS_MAX = (1 << 63) - 1
 
 
 @dataclass(slots=True)

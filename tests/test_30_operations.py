@@ -693,6 +693,12 @@ def test_xattr_unknown_namespace_and_long_names(fs):
     assert fs.errno_of(fs.ops.removexattr, f, long, ctx) == errno.ERANGE
     assert fs.errno_of(fs.ops.removexattr, f, b"user.missing", ctx) == errno.ENODATA
     assert fs.errno_of(fs.ops.getxattr, f, b"trusted.missing", ctx) == errno.ENODATA
+    for bare in (b"user.", b"trusted.", b"security."):  # ext4: EINVAL (getxattr was ENODATA)
+        assert fs.errno_of(fs.ops.getxattr, f, bare, ctx) == errno.EINVAL
+        assert fs.errno_of(fs.ops.setxattr, f, bare, b"v", ctx) == errno.EINVAL
+        assert fs.errno_of(fs.ops.removexattr, f, bare, ctx) == errno.EINVAL
+    for name in (b"foo.bar", b"user"):
+        assert fs.errno_of(fs.ops.getxattr, f, name, ctx) == errno.EOPNOTSUPP
 
 
 def test_xattrs_on_directories_and_symlinks(fs):

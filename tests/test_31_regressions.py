@@ -390,6 +390,42 @@ def test_the_one_second_tick_survives_a_full_namespace_disk(tmp_path, monkeypatc
     assert "metadata persisted again" in caplog.text
 
 
+def test_the_tick_goes_on_past_a_file_it_cannot_persist(tmp_path, monkeypatch, caplog):
+    """An unexpected error persisting one open file (a bug; an out-of-range time did this)
+    used to end the daemon from the tick. Now the tick logs it once with its traceback,
+    persists every other open file, and keeps going."""
+    from tierfs.fs.blockio import BlockIO
+    monkeypatch.setattr(mount, "TICK_SECONDS", 0.01)
+    real_persist = BlockIO.persist
+
+    async def scenario(ops, blockio, ns):
+        bad, bad_entry = await ops.create(ROOT_INO, b"bad", 0o644, os.O_RDWR, Ctx())
+        good, good_entry = await ops.create(ROOT_INO, b"good", 0o644, os.O_RDWR, Ctx())
+
+        def persist(self, of, **kwargs):
+            if of.ino == bad_entry.st_ino:
+                raise OverflowError("injected")
+            return real_persist(self, of, **kwargs)
+
+        monkeypatch.setattr(BlockIO, "persist", persist)
+        await ops.write(bad.fh, 0, b"b" * 100)
+        await ops.write(good.fh, 0, b"g" * 300)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(mount._tick, blockio, ns)
+            await trio.sleep(0.1)  # about 10 ticks
+            assert ns.get_inode(good_entry.st_ino).size == 300
+            nursery.cancel_scope.cancel()
+        monkeypatch.setattr(BlockIO, "persist", real_persist)
+        await ops.release(bad.fh)
+        await ops.release(good.fh)
+        assert ns.get_inode(bad_entry.st_ino).size == 100
+
+    with prepared(new_filesystem(tmp_path)) as (ops, blockio, ns):
+        trio.run(scenario, ops, blockio, ns)  # before: OverflowError out of _tick
+    bugs = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(bugs) == 1 and "OverflowError: injected" in caplog.text
+
+
 def test_unmount_with_a_full_namespace_disk_leaves_it_for_recovery(tmp_path, monkeypatch):
     """Unmount persists what is still open; when the namespace cannot take it, the daemon
     still stops (before: FsError out of shutdown, a traceback, no clean state, orphans

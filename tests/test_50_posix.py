@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
 import pickle
 import random
@@ -1032,6 +1033,113 @@ def test_relatime_updates_atime_only_when_stale(mounted):
     before = time.time_ns()
     read_file(path)
     assert os.stat(path).st_atime_ns >= before
+
+
+def test_listing_a_directory_and_reading_a_symlink_move_atime(mnt):
+    """The kernel leaves atime of every FUSE inode to the daemon; as ext4 under relatime,
+    a directory listed or a symlink read gets a new atime when the old one is stale, and
+    keeps it on the next listing or read."""
+    os.mkdir(mnt / "d")
+    write_file(mnt / "d" / "f")
+    os.symlink("d/f", mnt / "link")
+    day = 24 * 3600 * 10**9
+    old = time.time_ns() - 3 * day
+    os.utime(mnt / "d", ns=(old, old))
+    os.utime(mnt / "link", ns=(old, old), follow_symlinks=False)
+
+    before = time.time_ns()
+    assert os.listdir(mnt / "d") == ["f"]
+    assert os.readlink(mnt / "link") == "d/f"
+    listed, read = os.stat(mnt / "d"), os.lstat(mnt / "link")
+    assert listed.st_atime_ns >= before and read.st_atime_ns >= before
+    assert listed.st_mtime_ns == old and read.st_mtime_ns == old  # atime only
+    _pause()
+    os.listdir(mnt / "d")
+    os.readlink(mnt / "link")
+    assert os.stat(mnt / "d").st_atime_ns == listed.st_atime_ns
+    assert os.lstat(mnt / "link").st_atime_ns == read.st_atime_ns
+
+
+#: The times the namespace keeps exactly: signed 64-bit nanoseconds.
+TIME_NS_MIN, TIME_NS_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def test_times_beyond_what_tierfs_stores_are_refused(mounted):
+    """Signed 64-bit nanoseconds reach from 1677-09-21 to 2262-04-11. A time outside gives
+    EINVAL and changes nothing (before: EIO and a logged traceback by path; through an open
+    descriptor the one-second tick ended the daemon). The limits themselves are kept
+    exactly, across a remount."""
+    mnt = mounted.mountpoint
+    path = mnt / "f"
+    write_file(path, b"x")
+    os.utime(path, ns=(1_000, 2_000))
+    year_2400 = 13_569_465_600 * 10**9
+    year_1653 = -10_000_000_000 * 10**9
+    for times in ((year_2400, 2_000), (1_000, year_1653), (TIME_NS_MAX + 1, 2_000)):
+        with pytest.raises(OSError) as e:
+            os.utime(path, ns=times)
+        assert e.value.errno == errno.EINVAL
+    fd = os.open(path, os.O_RDWR)
+    try:
+        with pytest.raises(OSError) as e:
+            os.utime(fd, ns=(1_000, year_2400))
+        assert e.value.errno == errno.EINVAL
+        os.write(fd, b"y")
+        time.sleep(1.5)  # the one-second tick persists the open file
+    finally:
+        os.close(fd)
+    assert os.stat(path).st_atime_ns == 1_000 and read_file(path) == b"y"
+    os.utime(path, ns=(TIME_NS_MIN, TIME_NS_MAX))
+    mounted.stop()
+    mounted.start()
+    st = os.stat(path)
+    assert (st.st_atime_ns, st.st_mtime_ns) == (TIME_NS_MIN, TIME_NS_MAX)
+
+
+def test_times_stat_shows_are_the_times_kept(mounted):
+    """With writeback caching the kernel sets a file's mtime and ctime on write() and sends
+    them when they change; when a write lands in the same clock tick as the truncate before
+    it, it sends none. The daemon used to stamp its own clock on every WRITE, so a few ms
+    later times appeared once the kernel evicted the inode (ext4: none moves)."""
+    mnt = mounted.mountpoint
+    moved = []
+    for i in range(12):
+        path = mnt / f"ev{i}"
+        fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            os.ftruncate(fd, 200_000)
+            if i % 2:
+                with mmap.mmap(fd, 200_000) as m:
+                    m[70_000:70_010] = b"0123456789"
+                    m[199_990:] = b"abcdefghij"
+            else:
+                os.pwrite(fd, b"w" * 5000, 70_000)
+                os.pwrite(fd, b"v" * 10, 199_990)
+        finally:
+            os.close(fd)
+        cached = os.stat(path)
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("2")  # evict unused inodes: the next stat asks the daemon
+        evicted = os.stat(path)
+        if (cached.st_mtime_ns, cached.st_ctime_ns) != (evicted.st_mtime_ns,
+                                                        evicted.st_ctime_ns):
+            moved.append((i, evicted.st_mtime_ns - cached.st_mtime_ns))
+    assert not moved, moved
+    # An O_DIRECT write is not the kernel's to stamp: the daemon does.
+    path = mnt / "direct"
+    write_file(path, b"\0" * 4096)
+    os.utime(path, ns=(1_000, 2_000))
+    fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+    try:
+        buf = mmap.mmap(-1, 4096)
+        buf.write(b"d" * 4096)
+        before = time.time_ns()
+        os.pwrite(fd, buf, 0)
+    finally:
+        os.close(fd)
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("2")
+    assert os.stat(path).st_mtime_ns >= before
 
 
 # --- readdir -----------------------------------------------------------------------------------

@@ -1,0 +1,31 @@
+"""Timestamp rules: which times tierfs can store, and when a read moves atime.
+
+The kernel leaves atime to a FUSE filesystem entirely (it marks every FUSE inode
+``S_NOATIME``), so tierfs applies relatime itself: to files on the reads it serves, to
+directories when they are listed, to symlinks when they are read.
+"""
+
+from __future__ import annotations
+
+import errno
+
+from tierfs.fs.errors import FsError
+from tierfs.fs.schema import TIME_NS_MAX, TIME_NS_MIN
+
+RELATIME_NS = 24 * 3600 * 10**9
+
+
+def storable_time_ns(value: int) -> int:
+    """``value`` if the namespace can keep it exactly, else EINVAL. Refused rather than
+    clamped: with writeback caching the kernel keeps the time it asked for in its cache,
+    and a clamped copy on disk would show up as a different time after eviction."""
+    if not TIME_NS_MIN <= value <= TIME_NS_MAX:
+        raise FsError(errno.EINVAL, "time outside what tierfs stores (1677-09-21 to "
+                                    "2262-04-11)")
+    return value
+
+
+def atime_due(atime_ns: int, mtime_ns: int, ctime_ns: int, now_ns: int) -> bool:
+    """relatime: a read moves atime only when atime is not newer than mtime or ctime, or
+    is more than a day old."""
+    return atime_ns <= mtime_ns or atime_ns <= ctime_ns or now_ns - atime_ns > RELATIME_NS
