@@ -21,7 +21,8 @@ import resource
 import signal
 import subprocess
 import sys
-from contextlib import ExitStack
+import tempfile
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pyfuse3
@@ -67,13 +68,69 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def fuse_options(data: Path, user_options: list[str]) -> set[str]:
+#: Options the daemon sets itself: the tools find a mount's DATA by its fsname and its
+#: type by the subtype, so a user's value would cut the mount off from them.
+RESERVED_OPTIONS = ("fsname", "subtype")
+
+
+def user_options(groups: list[str]) -> set[str]:
+    """The ``-o`` options, split; MountError for one the daemon must set itself."""
+    options = {o for group in groups for o in group.split(",") if o}
+    for option in options:
+        if option.partition("=")[0] in RESERVED_OPTIONS:
+            raise MountError(f"option {option.partition('=')[0]} is set by mount.tierfs "
+                             f"(the tools find the filesystem by it)")
+    return options
+
+
+def fuse_options(data: Path, groups: list[str]) -> set[str]:
     options = set(pyfuse3.default_options) | {f"fsname={data}", "subtype=tierfs"}
-    for group in user_options:
-        options.update(o for o in group.split(",") if o)
+    options |= user_options(groups)
     options.discard("rw")
     options.discard("defaults")
     return options
+
+
+class _Captured:
+    text = ""
+
+
+@contextmanager
+def libfuse_messages():
+    """Catch what libfuse writes to stderr while the mount is set up. It explains a failed
+    mount there only ("fuse: unknown option(s): `-o x'", "option allow_other only allowed
+    if 'user_allow_other' is set in /etc/fuse.conf") and raises a bare "fuse_session_new()
+    failed"; the caller puts the explanation in its one line. Joined with "; "."""
+    captured = _Captured()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            lines = sink.read().decode(errors="replace").splitlines()
+            captured.text = "; ".join(line.strip() for line in lines if line.strip())
+
+
+def refuse_overlap(mnt: Path, path: Path, what: str) -> None:
+    """The mount point must not be, hold, or lie inside DATA or a volume: the daemon
+    reaches them by path, and through its own mount it would wait for itself forever."""
+    mnt_real, real = Path(os.path.realpath(mnt)), Path(os.path.realpath(path))
+    if mnt_real == real or real in mnt_real.parents or mnt_real in real.parents:
+        raise MountError(f"mount point {mnt} overlaps {what} {path}: mount it elsewhere")
+
+
+def refuse_stacking(mnt: Path) -> None:
+    """A tierfs mount already on ``mnt`` would be hidden under the new one, and
+    ``tierfs umount`` would only ever reach the top one."""
+    found = mountinfo.mount_at(str(mnt))
+    if found is not None and found.fstype == mountinfo.FSTYPE:
+        raise MountError(f"{mnt} is already the mount point of tierfs {found.source}: "
+                         f"unmount it first")
 
 
 READ_AHEAD_KB = 1024
@@ -155,10 +212,13 @@ def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:
     """Everything up to (not including) the FUSE mount; raises MountError."""
     data = Path(os.path.abspath(args.data))
     mnt = Path(os.path.abspath(args.mountpoint))
+    user_options(args.options)
     if not mnt.is_dir():
         raise MountError(f"mount point {mnt} does not exist or is not a directory")
     if data.exists() and not data.is_dir():
         raise MountError(f"{data} is not a directory")
+    refuse_overlap(mnt, data, "the data directory")
+    refuse_stacking(mnt)
     if not mkfs.is_filesystem(data):
         if data.exists() and any(p.name != "tierfs.log" for p in data.iterdir()):
             raise MountError(f"{data} is neither empty nor a tierfs filesystem")
@@ -172,6 +232,8 @@ def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:
         ns = Namespace.open(data / mkfs.NAMESPACE_DIR)
         stack.callback(ns.close)
         volumes = VolumeSet.open(data, ns.config.fs_uuid, ns.config.volumes)
+        for volume in volumes:
+            refuse_overlap(mnt, volume.path, "volume")
         unclean = ns.get_state() == "mounted"
         report = recover(ns, volumes)
         if unclean:
@@ -317,11 +379,14 @@ def run(args, ready_fd: int | None) -> int:
         return fail(f"{exc.filename or args.data}: {exc.strerror or exc}")
     with stack:
         try:
-            pyfuse3.init(ops, os.path.abspath(args.mountpoint),
-                         fuse_options(Path(os.path.abspath(args.data)), args.options))
+            with libfuse_messages() as said:
+                pyfuse3.init(ops, os.path.abspath(args.mountpoint),
+                             fuse_options(Path(os.path.abspath(args.data)), args.options))
         except RuntimeError as exc:
             ns.set_state("clean")
-            return fail(f"FUSE mount of {args.mountpoint} failed: {exc}")
+            return fail(f"FUSE mount of {args.mountpoint} failed: {said.text or exc}")
+        if said.text:
+            log.warning("libfuse: %s", said.text)
         if ready_fd is not None:
             os.write(ready_fd, b"ok\n")
             os.close(ready_fd)

@@ -404,16 +404,63 @@ def test_a_non_tierfs_data_directory_is_refused(tmp_path, background):
 
 
 def test_an_unknown_fuse_option_fails_and_leaves_the_filesystem_clean(data_dir, tmp_path):
+    """libfuse explains the failure on stderr only; that explanation is the one line
+    (before: "fuse_session_new() failed", and with -f libfuse's own line as well)."""
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    r = mount_cmd(data_dir, mnt, "-f", "-o", "no_such_option")
-    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.splitlines()[-1].startswith("mount.tierfs: "), r.stderr
-    assert not is_mounted(mnt)
-    r = mount_cmd(data_dir, mnt, "-o", "no_such_option")  # background: one line
-    assert_one_line_error(r, 1, "FUSE mount", prefix="mount.tierfs: ")
+    for mode in (["-f"], []):
+        r = mount_cmd(data_dir, mnt, *mode, "-o", "no_such_option")
+        assert_one_line_error(r, 1, "FUSE mount", "unknown option", "no_such_option",
+                              prefix="mount.tierfs: ")
+        assert not is_mounted(mnt)
     assert lock_is_free(data_dir)
     assert_remount_is_clean(data_dir, mnt)
+
+
+@pytest.mark.parametrize("option", ["fsname=/elsewhere", "subtype=other"])
+def test_options_the_daemon_sets_itself_are_refused(data_dir, tmp_path, option):
+    """The tools find a mount's DATA by its fsname (before: -o fsname=X broke tierfs
+    report and made tierfs umount return before the daemon had finished)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = mount_cmd(data_dir, mnt, "-o", f"allow_other,{option}")
+    assert_one_line_error(r, 1, option.partition("=")[0], "set by mount.tierfs",
+                          prefix="mount.tierfs: ")
+    assert not is_mounted(mnt)
+
+
+def test_a_mount_point_overlapping_data_or_a_volume_is_refused(tmp_path):
+    """The daemon reaches DATA and its volumes by path: mounted on (or over) one of them, it
+    waited on itself at the first write, unkillably (before: exit 0, then a hang)."""
+    data, outside = tmp_path / "fs" / "data", tmp_path / "vol"
+    mkfs(data, "--volume", f"SSD:{data / 'ssd'}", "--volume", f"DISK:{outside}")
+    (outside / "current" / "sub").mkdir(parents=True, exist_ok=True)
+    cases = [(data, "the data directory"), (data / "ssd", "the data directory"),
+             (tmp_path / "fs", "the data directory"), (outside, "volume"),
+             (outside / "current" / "sub", "volume")]
+    for mnt, what in cases:
+        for mode in (["-f"], []):
+            r = mount_cmd(data, mnt, *mode, timeout=30)
+            assert_one_line_error(r, 1, str(mnt), "overlaps", what, prefix="mount.tierfs: ")
+            assert not is_mounted(mnt)
+    (outside / "current" / "sub").rmdir()
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    assert_remount_is_clean(data, mnt)
+
+
+def test_mounting_over_a_tierfs_mount_is_refused(mounted, tmp_path):
+    """A second filesystem stacked on the first would hide it, and tierfs umount would only
+    ever reach the top one."""
+    other = tmp_path / "other"
+    mkfs(other)
+    (mounted.mountpoint / "f").write_text("first\n")
+    for mode in (["-f"], []):
+        r = mount_cmd(other, mounted.mountpoint, *mode)
+        assert_one_line_error(r, 1, "already the mount point of tierfs", str(mounted.data),
+                              prefix="mount.tierfs: ")
+    assert (mounted.mountpoint / "f").read_text() == "first\n"
+    assert lock_is_free(other)
 
 
 def test_mount_usage_errors(tmp_path):
