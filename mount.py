@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import faulthandler
 import logging
 import os
 import resource
@@ -362,7 +363,12 @@ def _syncfs(mountpoint: str) -> None:
 
 
 def run(args, ready_fd: int | None) -> int:
-    """Mount and serve until unmounted. ``ready_fd`` receives 'ok' or an error line."""
+    """Mount and serve until unmounted. ``ready_fd`` receives 'ok' or an error line.
+
+    A fatal signal (SIGBUS from a namespace file damaged on disk, which LMDB reads through
+    a memory map) would end the daemon without a word: faulthandler writes the Python
+    stacks to stderr, which is the log in the background."""
+    faulthandler.enable(file=sys.stderr)
     def fail(message: str) -> int:
         if ready_fd is not None:
             os.write(ready_fd, f"error: {message}\n".encode())
