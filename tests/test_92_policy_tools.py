@@ -156,6 +156,16 @@ def test_policy_usage_errors_exit_1(args):
     assert len(r.stderr.splitlines()) == 1 and r.stderr.startswith("tierfs policy")
 
 
+def test_policy_unknown_option_before_the_action_exits_1():
+    """HDFS's code for every usage error of ``storagepolicies`` (reference §3.1), wherever
+    the unknown option stands."""
+    for args in (["policy", "--bogus", "list"], ["policy", "list", "--bogus"]):
+        r = tool(*args)
+        assert r.returncode == 1 and r.stdout == "", (args, r.returncode, r.stderr)
+    assert tool("policy", "--bogus", "list").stderr == \
+        "tierfs policy: unrecognized arguments: --bogus\n"
+
+
 # --- tierfs report ----------------------------------------------------------------------------
 
 

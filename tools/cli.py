@@ -8,10 +8,11 @@ subcommand  codes
 ==========  =====================================================================
 mkfs        0 created, 1 failed (e.g. DATA already holds a filesystem), 2 usage
 umount      0 unmounted, 1 failed (not a tierfs mount, busy), 2 usage
-fsck        0 healthy, 1 corrupt (or repaired problems), 2 usage or cannot run
+fsck        0 healthy, 1 corrupt (or repaired problems), 2 usage or cannot run; 130
+            interrupted
 policy      0 done, 1 usage (missing, extra or unknown arguments or action), 2 failed
             (no such path, not on a tierfs mount, unknown policy, refused by the mount)
-report      0 reported, 2 usage or cannot run (not a tierfs data directory or mount,
+report      0 reported, 2 usage or cannot run (not a tierfs data directory or mount point,
             namespace unreadable); 130 interrupted
 ==========  =====================================================================
 """
@@ -33,6 +34,55 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         raise UsageError(f"{self.prog}: {message}", self.usage_code)
+
+
+class _Command(_Parser):
+    """A subcommand's parser. It refuses unknown arguments itself, so the message names the
+    subcommand and the exit code is its usage code (argparse would hand them up to
+    ``tierfs``, whose code is 2, e.g. instead of policy's 1)."""
+
+    # (dest, default) of an optional positional that may also follow the options
+    late_positional: tuple[str, str] | None = None
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extras = super().parse_known_args(args, namespace)
+        extras = self._adopt(parsed, extras)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+    def _adopt(self, parsed, extras: list[str]) -> list[str]:
+        """``fsck DATA --repair /a``: argparse stops filling optional positionals at the first
+        option, so a PATH given after options arrives as an extra argument: take it (its
+        default is None so that a PATH given in place is told apart)."""
+        if self.late_positional is None:
+            return extras
+        dest, default = self.late_positional
+        if getattr(parsed, dest) is None:
+            late = bool(extras) and not extras[0].startswith("-")
+            setattr(parsed, dest, extras.pop(0) if late else default)
+        return extras
+
+
+def _not_empty(text: str) -> str:
+    """An empty DATA would be the current directory (``Path("")`` is ``.``): surely a
+    mistake, such as an unset shell variable."""
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def _positive_seconds(text: str) -> float:
+    """``umount --timeout``: 0 or less would stop waiting at once and report an unmount
+    that is going well as a failure."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = None
+    if seconds is None or not seconds > 0:   # "not >" refuses NaN too
+        raise argparse.ArgumentTypeError(
+            f"must be a positive number of seconds, not '{text}'")
+    return seconds
 
 
 def _mkfs(args) -> int:
@@ -85,11 +135,10 @@ def _report(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="tierfs", description="tierfs tools")
     parser.add_argument("--debug", action="store_true", help="log debug messages")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    sub.required = True
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Command)
 
     p = sub.add_parser("mkfs", help="create a filesystem in a data directory")
-    p.add_argument("data", metavar="DATA")
+    p.add_argument("data", metavar="DATA", type=_not_empty)
     p.add_argument("--volume", action="append", default=[], metavar="TYPE:PATH[:CAPACITY]",
                    help="a volume (repeatable); default: DATA/ssd, DATA/disk, DATA/archive")
     p.add_argument("--block-size", default="64M")
@@ -103,12 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("umount", help="unmount a tierfs mount and wait for the daemon")
     p.add_argument("mountpoint", metavar="MNT")
-    p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--timeout", type=_positive_seconds, default=120.0,
+                   help="seconds to wait for the daemon (default: 120)")
     p.set_defaults(func=_umount)
 
     p = sub.add_parser("fsck", help="check a filesystem against its volumes")
     p.add_argument("data", metavar="DATA")
-    p.add_argument("path", nargs="?", default="/", metavar="PATH")
+    p.add_argument("path", nargs="?", default=None, metavar="PATH",
+                   help="the subtree to check (default: /)")
+    p.late_positional = ("path", "/")
     p.add_argument("--repair", action="store_true", help="fix what can be fixed")
     p.add_argument("--files", action="store_true", help="list checked files")
     p.add_argument("--blocks", action="store_true", help="with --files: list blocks")
@@ -127,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="capacity, usage and placement per storage type, "
                                       "volume and storage policy")
     p.add_argument("target", metavar="DATA|MNT",
-                   help="a data directory, or the mount point of a tierfs")
+                   help="a data directory, or the mount point of a tierfs (not a "
+                        "directory below it: the report is of the whole filesystem)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_report)
     return parser
@@ -136,14 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args, extra = parser.parse_known_args(argv)
-        # "fsck DATA --repair /a": argparse stops filling optional positionals at the
-        # first option, so a PATH given after options arrives here as an extra argument.
-        if args.command == "fsck" and args.path == "/" and len(extra) == 1 \
-                and not extra[0].startswith("-"):
-            args.path, extra = extra[0], []
-        if extra:
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args = parser.parse_args(argv)
+        # COMMAND is checked here, not by argparse (required=True), which would check it
+        # first and so answer "tierfs --bogus" with "COMMAND is required".
+        if args.command is None:
+            parser.error("the following arguments are required: COMMAND")
     except UsageError as exc:
         print(exc, file=sys.stderr)
         return exc.exit_code

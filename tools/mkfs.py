@@ -31,6 +31,8 @@ DEFAULT_BLOCK_SIZE = 64 << 20
 DEFAULT_BYTES_PER_CHECKSUM = 4096
 DEFAULT_LAYOUT = (("ssd", StorageType.SSD), ("disk", StorageType.DISK),
                   ("archive", StorageType.ARCHIVE))
+# In the background mount.tierfs logs here, from before it formats an empty DATA.
+DAEMON_LOG = "tierfs.log"
 
 _SIZE = re.compile(r"^(\d+)([KMGTP]?)(I?B)?$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
@@ -70,6 +72,19 @@ def default_volumes(data_dir: Path) -> list[VolumeSpec]:
 
 def is_filesystem(data_dir: Path) -> bool:
     return (data_dir / NAMESPACE_DIR / "data.mdb").exists()
+
+
+def check_empty(data_dir: Path, volumes: list[VolumeSpec]) -> None:
+    """Refuse a DATA holding anything but the volume directories to be and the daemon's
+    log: a filesystem mixed into someone's files would let a later ``rm -r DATA`` (or the
+    user) take one for the other. The volume directories themselves must be empty, which
+    ``Volume.format`` checks with its own message. Same words as mount.tierfs."""
+    if not data_dir.is_dir():
+        return
+    volume_paths = {os.path.realpath(v.path) for v in volumes}
+    if any(name != DAEMON_LOG and os.path.realpath(data_dir / name) not in volume_paths
+           for name in os.listdir(data_dir)):
+        raise FsError(errno.ENOTEMPTY, f"{data_dir} is neither empty nor a tierfs filesystem")
 
 
 def make_filesystem(data_dir: Path, volumes: list[VolumeSpec] | None = None, *,
@@ -136,8 +151,11 @@ def _validate(data_dir: Path, volumes: list[VolumeSpec], block_size: int, bpc: i
         raise FsError(errno.EEXIST, f"{data_dir} already holds a tierfs filesystem")
     if data_dir.exists() and not data_dir.is_dir():
         raise FsError(errno.ENOTDIR, f"{data_dir} exists and is not a directory")
+    check_empty(data_dir, volumes)
     if not 512 <= bpc <= 1 << 20:
         raise UsageError("--bytes-per-checksum must be between 512 and 1M")
+    if block_size <= 0:
+        raise UsageError("--block-size must be positive")
     if block_size < bpc or block_size % bpc:
         raise UsageError("--block-size must be a multiple of --bytes-per-checksum")
     if block_size > 1 << 30:
@@ -153,3 +171,6 @@ def _validate(data_dir: Path, volumes: list[VolumeSpec], block_size: int, bpc: i
     for spec in volumes:
         if spec.capacity is not None and spec.capacity <= 0:
             raise UsageError(f"volume {spec.path}: capacity must be positive")
+        if spec.capacity is not None and spec.capacity < block_size:
+            raise UsageError(f"volume {spec.path}: capacity {spec.capacity} is smaller than "
+                             f"one block (--block-size {block_size})")

@@ -29,7 +29,8 @@ Progress goes to stderr: a tqdm bar on a terminal, else a status line every few 
 Ctrl-C stops between two batches (exit 130, through ``tierfs``'s main).
 
 Exit codes: 0 reported; 2 usage or cannot run (no such path, neither a tierfs data directory
-nor a tierfs mount, namespace unreadable), one line on stderr.
+nor a tierfs mount point, e.g. a directory inside a mount; namespace unreadable), one line on
+stderr.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from tierfs.fs.resolver import Resolver
 from tierfs.fs.schema import BlockRecord, Inode, u64
 from tierfs.satisfier.summary import Combination, StoragePolicySummary, tables
 from tierfs.tools.mkfs import NAMESPACE_DIR, is_filesystem
-from tierfs.tools.mountinfo import FSTYPE, mount_at, mount_of_device
+from tierfs.tools.mountinfo import FSTYPE, MountEntry, mount_at, mount_of_device
 from tierfs.tools import progress as _progress
 from tierfs.tools.progress import Silent
 
@@ -143,29 +144,39 @@ class Report:
 
 
 def find_data_dir(target: str) -> tuple[Path, str | None]:
-    """(data directory, mount point or None) of a data directory or a tierfs mount."""
+    """(data directory, mount point or None) of a data directory or a tierfs mount point.
+    A directory inside a mount is refused rather than taken for its whole filesystem: the
+    report would look like one of that directory."""
     entry = mount_at(target)
-    if entry is None:
-        try:
-            st = os.stat(target)
-        except FileNotFoundError:
-            raise ReportError(f"{target} does not exist") from None
-        except OSError as exc:
-            raise ReportError(f"cannot access {target}: {exc.strerror}") from None
-        if stat.S_ISDIR(st.st_mode) and is_filesystem(Path(target)):
-            return Path(os.path.abspath(target)), None
-        entry = mount_of_device(st.st_dev)
-        if entry is not None and entry.fstype != FSTYPE:
-            entry = None
-    if entry is None or entry.fstype != FSTYPE:
-        what = f" ({entry.fstype})" if entry is not None else ""
-        raise ReportError(f"{target} is neither a tierfs data directory nor a tierfs "
-                          f"mount{what}")
+    if entry is not None and entry.fstype == FSTYPE:
+        return _mounted_data(target, entry), entry.mount_point
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        raise ReportError(f"{target} does not exist") from None
+    except OSError as exc:
+        raise ReportError(f"cannot access {target}: {exc.strerror}") from None
+    if stat.S_ISDIR(st.st_mode) and is_filesystem(Path(target)):
+        return Path(os.path.abspath(target)), None
+    raise ReportError(_not_a_target(target, st))
+
+
+def _mounted_data(target: str, entry: MountEntry) -> Path:
     data = Path(entry.source)
     if not is_filesystem(data):
         raise ReportError(f"{target} is a tierfs mount, but its data directory {data} "
                           f"holds no tierfs filesystem (not visible from here?)")
-    return data, entry.mount_point
+    return data
+
+
+def _not_a_target(target: str, st: os.stat_result) -> str:
+    """Why ``target`` is refused, naming the mount it lies inside when that is a tierfs."""
+    inside = mount_of_device(st.st_dev)
+    if inside is not None and inside.fstype == FSTYPE:
+        return (f"{target} is inside the tierfs mounted on {inside.mount_point}, not its "
+                f"mount point; give the mount point or DATA")
+    return (f"{target} is neither a tierfs data directory nor a tierfs mount point; give "
+            f"the mount point or DATA")
 
 
 # =========================================================================== collection

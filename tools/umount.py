@@ -21,7 +21,8 @@ def unmount(mountpoint: Path, timeout: float = 120.0) -> None:
     if found.fstype != FSTYPE:
         raise FsError(errno.EINVAL, f"{mountpoint} is not a tierfs mount ({found.fstype})")
     source = found.source
-    result = subprocess.run(["fusermount3", "-u", str(mountpoint)], capture_output=True,
+    # The mount point as mounted: fusermount3 refuses a symlink to it (EINVAL).
+    result = subprocess.run(["fusermount3", "-u", found.mount_point], capture_output=True,
                             text=True)
     if result.returncode != 0:
         message = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else ""
