@@ -213,7 +213,6 @@ def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:
     """Everything up to (not including) the FUSE mount; raises MountError."""
     data = Path(os.path.abspath(args.data))
     mnt = Path(os.path.abspath(args.mountpoint))
-    user_options(args.options)
     if not mnt.is_dir():
         raise MountError(f"mount point {mnt} does not exist or is not a directory")
     if data.exists() and not data.is_dir():
@@ -221,8 +220,7 @@ def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:
     refuse_overlap(mnt, data, "the data directory")
     refuse_stacking(mnt)
     if not mkfs.is_filesystem(data):
-        if data.exists() and any(p.name != "tierfs.log" for p in data.iterdir()):
-            raise MountError(f"{data} is neither empty nor a tierfs filesystem")
+        mkfs.check_empty(data, [])
         config = mkfs.make_filesystem(data)
         log.info("created filesystem %s in %s (default layout)", config.fs_uuid, data)
     stack = ExitStack()
@@ -378,6 +376,7 @@ def run(args, ready_fd: int | None) -> int:
         return 1
 
     try:
+        user_options(args.options)
         stack, ops, blockio, ns = prepare(args)
     except (MountError, FsError, UsageError) as exc:
         return fail(str(exc))
@@ -435,7 +434,7 @@ def daemonize(args) -> int:
     for fd in (0, 1):
         os.dup2(devnull, fd)
     os.dup2(devnull, 2)
-    log_path = args.log or os.path.join(args.data, "tierfs.log")
+    log_path = args.log or os.path.join(args.data, mkfs.DAEMON_LOG)
     if may_mount(args):  # else run() fails, through the pipe, without leaving a log behind
         try:
             open_log(log_path)
@@ -455,7 +454,7 @@ def may_mount(args) -> bool:
     if not data.exists():
         return True
     return data.is_dir() and (mkfs.is_filesystem(data) or
-                              all(p.name == "tierfs.log" for p in data.iterdir()))
+                              all(p.name == mkfs.DAEMON_LOG for p in data.iterdir()))
 
 
 def open_log(path: str) -> None:
