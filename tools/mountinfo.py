@@ -65,3 +65,14 @@ def mount_at(path: str) -> MountEntry | None:
         real = os.path.realpath(path)
         found = [m for m in mounts() if m.mount_point == real]
     return found[-1] if found else None
+
+
+def stat_target(path: str, error: type[Exception], missing: str) -> os.stat_result:
+    """``os.stat(path)`` for a tool's PATH argument: a failure becomes ``error`` with one
+    line, ``missing`` when nothing is there."""
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        raise error(missing) from None
+    except OSError as exc:
+        raise error(f"cannot access {path}: {exc.strerror}") from None

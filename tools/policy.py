@@ -32,7 +32,7 @@ import stat
 import sys
 
 from tierfs.fs.errors import UsageError
-from tierfs.tools.mountinfo import FSTYPE, mount_of_device
+from tierfs.tools.mountinfo import FSTYPE, mount_of_device, stat_target
 from tierfs.satisfier.policies import BlockStoragePolicy, PolicySuite
 
 USAGE = 1
@@ -154,12 +154,7 @@ def policy_source(text: str) -> str:
 
 def _check_path(path: str) -> os.stat_result:
     """PATH exists and lies on a tierfs mount; its stat."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise PolicyError(f"File/Directory does not exist: {path}") from None
-    except OSError as exc:
-        raise PolicyError(f"cannot access {path}: {exc.strerror}") from None
+    st = stat_target(path, PolicyError, f"File/Directory does not exist: {path}")
     entry = mount_of_device(st.st_dev)
     if entry is None or entry.fstype != FSTYPE:
         kind = f" ({entry.fstype} on {entry.mount_point})" if entry else ""

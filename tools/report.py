@@ -58,7 +58,7 @@ from tierfs.fs.resolver import Resolver
 from tierfs.fs.schema import BlockRecord, Inode, u64
 from tierfs.satisfier.summary import Combination, StoragePolicySummary, tables
 from tierfs.tools.mkfs import NAMESPACE_DIR, is_filesystem
-from tierfs.tools.mountinfo import FSTYPE, MountEntry, mount_at, mount_of_device
+from tierfs.tools.mountinfo import FSTYPE, MountEntry, mount_at, mount_of_device, stat_target
 from tierfs.tools import progress as _progress
 from tierfs.tools.progress import Silent
 
@@ -150,12 +150,7 @@ def find_data_dir(target: str) -> tuple[Path, str | None]:
     entry = mount_at(target)
     if entry is not None and entry.fstype == FSTYPE:
         return _mounted_data(target, entry), entry.mount_point
-    try:
-        st = os.stat(target)
-    except FileNotFoundError:
-        raise ReportError(f"{target} does not exist") from None
-    except OSError as exc:
-        raise ReportError(f"cannot access {target}: {exc.strerror}") from None
+    st = stat_target(target, ReportError, f"{target} does not exist")
     if stat.S_ISDIR(st.st_mode) and is_filesystem(Path(target)):
         return Path(os.path.abspath(target)), None
     raise ReportError(_not_a_target(target, st))
