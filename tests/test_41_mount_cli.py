@@ -541,6 +541,32 @@ def test_mkfs_success_output(tmp_path):
     assert_fsck_clean(data)
 
 
+def test_mkfs_warns_of_a_default_policy_no_volume_can_take(tmp_path, make_mount):
+    """HOT wants DISK and has no creation fallback: on SSD volumes alone every write under
+    the default policy fails with ENOSPC. mkfs says so (and still makes the filesystem:
+    directories may get policies these volumes satisfy); a policy whose fallback is
+    present draws no warning."""
+    r = run([TIERFS, "mkfs", str(tmp_path / "fallback"), "--volume",
+             f"DISK:{tmp_path}/fallback-disk", "--default-policy", "ALL_SSD"])
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+
+    r = run([TIERFS, "mkfs", str(tmp_path / "warned"), "--volume", f"SSD:{tmp_path}/warned-ssd"])
+    assert r.returncode == 0 and r.stderr == (
+        "warning: default policy HOT can place no block on these volumes (it wants DISK; "
+        "creation fallbacks: none): writes will fail with ENOSPC wherever no other policy "
+        "is set\n"), r.stderr
+
+    # What it warns of, on a mount of the same layout.
+    mnt = make_mount("--volume", f"SSD:{tmp_path}/ssd-only", "--block-size", "1M").mountpoint
+    with pytest.raises(OSError) as caught:
+        (mnt / "f").write_bytes(b"x" * 10)
+    assert caught.value.errno == errno.ENOSPC
+    (mnt / "fast").mkdir()
+    os.setxattr(mnt / "fast", "user.tierfs.storage_policy", b"ALL_SSD")
+    (mnt / "fast" / "f").write_bytes(b"y" * 10)
+    assert (mnt / "fast" / "f").read_bytes() == b"y" * 10
+
+
 MKFS_ERRORS = [
     # (extra args, exit code, fragments)
     (["--volume", "FOO:{tmp}/v"], 2, ["unknown storage type 'FOO'"]),

@@ -104,6 +104,9 @@ def _mkfs(args) -> int:
     print(f"  block size {config.block_size}, bytes per checksum "
           f"{config.bytes_per_checksum}, replication {config.replication}, default policy "
           f"{config.default_policy}, policy on rename: {config.rename_mode}")
+    warning = mkfs.default_policy_warning(config)
+    if warning:
+        print(warning, file=sys.stderr)
     return 0
 
 
@@ -141,10 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("data", metavar="DATA", type=_not_empty)
     p.add_argument("--volume", action="append", default=[], metavar="TYPE:PATH[:CAPACITY]",
                    help="a volume (repeatable); default: DATA/ssd, DATA/disk, DATA/archive")
-    p.add_argument("--block-size", default="64M")
-    p.add_argument("--bytes-per-checksum", default="4096")
-    p.add_argument("--replication", type=int, default=1)
-    p.add_argument("--default-policy", default="HOT")
+    p.add_argument("--block-size", default="64M", metavar="SIZE",
+                   help="bytes per block, e.g. 1M (default: 64M)")
+    p.add_argument("--bytes-per-checksum", default="4096", metavar="SIZE",
+                   help="bytes per CRC32C chunk, 512 to 1M (default: 4096)")
+    p.add_argument("--replication", type=int, default=1, metavar="N",
+                   help="replicas per block, at most the number of volumes (default: 1)")
+    p.add_argument("--default-policy", default="HOT", metavar="POLICY",
+                   help="the storage policy of directories that set none (default: HOT)")
     p.add_argument("--policy-on-rename", choices=["follow", "keep"], default="follow",
                    help="follow: a renamed subtree takes the destination's policy "
                         "(default); keep: it keeps its own")

@@ -126,6 +126,24 @@ def make_filesystem(data_dir: Path, volumes: list[VolumeSpec] | None = None, *,
     return config
 
 
+def default_policy_warning(config: FsConfig) -> str | None:
+    """Why no new block could be written under the default policy, or None.
+
+    A legal filesystem, so mkfs does not refuse it (the user may mean to set a policy these
+    volumes satisfy on every directory they write into), but every write under a directory
+    without one would fail with ENOSPC, which nobody should discover only then."""
+    policy = PolicySuite().get(config.default_policy)
+    present = {StorageType.parse(v.storage_type) for v in config.volumes}
+    missing = set(StorageType) - present
+    if policy.choose_storage_types(config.replication, (), missing, is_new_block=True):
+        return None
+    wanted = ", ".join(sorted({t.name for t in policy.storage_types}))
+    fallbacks = ", ".join(t.name for t in policy.creation_fallbacks) or "none"
+    return (f"warning: default policy {policy.name} can place no block on these volumes "
+            f"(it wants {wanted}; creation fallbacks: {fallbacks}): writes will fail with "
+            f"ENOSPC wherever no other policy is set")
+
+
 def _undo_volumes(made) -> None:
     """A failed mkfs leaves no half-made volumes behind, so it can simply be run again."""
     for path, existed in made:
