@@ -46,6 +46,12 @@ BATCH = 256
 YIELD_EVERY = 64
 
 
+class Unrepairable(Exception):
+    """Every replica of the block is bad: nothing to copy from. The monitor stops trying
+    (fsck reports the block) until a read or the next mount's scan notes it again, rather
+    than reading the whole block again and logging the same error every few seconds."""
+
+
 class ReplicationMonitor:
     def __init__(self, ns: Namespace, volumes: VolumeSet, blockio: BlockIO, resolver: Resolver):
         self.ns = ns
@@ -133,6 +139,10 @@ class ReplicationMonitor:
             self.ready.discard(key)
             try:
                 added += await self._repair(ino, index)
+            except Unrepairable:
+                if key not in self.ready:
+                    self._forget(key)
+                continue
             except Exception as exc:  # noqa: BLE001 - background work must not end the mount
                 reason = copy_error(exc)
                 if not isinstance(exc, FsError):
@@ -145,10 +155,13 @@ class ReplicationMonitor:
                     self._back_off(key)
                 continue
             if key not in self.ready:
-                self.pending.discard(key)
-                self.avoid.pop(key, None)
-                self.failures.pop(key, None)
+                self._forget(key)
         return added
+
+    def _forget(self, key: tuple[int, int]) -> None:
+        self.pending.discard(key)
+        self.avoid.pop(key, None)
+        self.failures.pop(key, None)
 
     # --- one block ----------------------------------------------------------------------------
 
@@ -203,7 +216,7 @@ class ReplicationMonitor:
         if not keep:
             log.error("block %d of inode %d has no good replica left (%s)", rec.block_id, ino,
                       "; ".join(bad.values()))
-            return rec
+            raise Unrepairable()
         self.ns.drop_replicas(ino, index, tuple(bad))
         self.blockio.delete_trash(self.ns.last_trash)
         log.warning("dropped bad replica(s) of block %d on volume(s) %s", rec.block_id,
@@ -228,7 +241,10 @@ class ReplicationMonitor:
             if now is None or now.gs != gs:  # a writer re-stamped it (and renamed its files)
                 raise FsError(errno.EAGAIN, "block changed during the copy; retrying") from exc
             if isinstance(exc, ChecksumError):
-                self.report_bad(ino, index, source.id, str(exc))
+                # Only recorded: the failed repair backs off, and its next try drops this
+                # replica or, if it was the last good one, gives the block up. Noting it
+                # (``report_bad``) would make it ready again and retry it every round.
+                self.bad.setdefault((ino, index), {})[source.id] = str(exc)
             else:
                 self.avoid.setdefault((ino, index), set()).add(target.id)
             raise

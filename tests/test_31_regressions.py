@@ -325,6 +325,62 @@ def test_blocks_backing_off_cost_a_replication_round_nothing(tmp_path, monkeypat
         assert sorted(tried) == [(ino, 0) for ino in range(1000, 6000)]
 
 
+def test_a_block_whose_only_replica_is_corrupt_is_given_up_not_retried_every_round(
+        tmp_path, monkeypatch, caplog):
+    """Replication 2, and the one replica turns out corrupt when the monitor copies it.
+    The copy's own checksum report made the block ready again, so every round (0.5 s)
+    read the whole block again and logged "no good replica left". Now the failed copy
+    backs off, the next try finds nothing good to copy from, logs that once and gives the
+    block up (fsck reports it; a read or the next mount notes it again)."""
+    import glob
+    from tierfs.fs import replication
+    from tierfs.fs.policy_xattrs import REPLICATION
+    copies = []
+    real_copy = replication.copy_replica
+
+    def counting_copy(*args):
+        copies.append(args)
+        return real_copy(*args)
+
+    monkeypatch.setattr(replication, "copy_replica", counting_copy)
+    clock = [replication.time.monotonic()]
+    monkeypatch.setattr(replication.time, "monotonic", lambda: clock[0])
+
+    async def scenario(ops):
+        monitor = ops.replication
+        fi, entry = await ops.create(ROOT_INO, b"f", 0o644, os.O_RDWR, Ctx())
+        await ops.write(fi.fh, 0, b"a" * 10_000)
+        await ops.release(fi.fh)
+        [block] = [p for p in glob.glob(f"{data}/d*/**/blk_*", recursive=True)
+                   if not p.endswith(".meta")]
+        with open(block, "r+b") as f:
+            f.seek(100)
+            f.write(b"Z")
+        await ops.setxattr(entry.st_ino, REPLICATION, b"2", Ctx())
+        monitor.note(entry.st_ino, 0)
+        for _ in range(4):  # two seconds of rounds
+            await monitor.round()
+            clock[0] += replication.ROUND_SECONDS
+        assert len(copies) == 1 and (entry.st_ino, 0) in monitor.retry_at
+        clock[0] += replication.RETRY_SECONDS
+        for _ in range(20):  # the retry, then ten seconds more
+            await monitor.round()
+            clock[0] += replication.ROUND_SECONDS
+        assert len(copies) == 1  # no copy from a replica known to be bad
+        assert not monitor.pending and not monitor.ready and not monitor.retry_at
+        return entry.st_ino
+
+    data = new_filesystem(tmp_path, [(StorageType.DISK, "d1", None),
+                                     (StorageType.DISK, "d2", None)], **DISK_64K)
+    with prepared(data, check=False) as (ops, blockio, ns):
+        ino = trio.run(scenario, ops)
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "no good replica left" in errors[0], errors
+    assert f"of inode {ino} " in errors[0]
+    report = Fsck(data).check()
+    assert not report.healthy  # the corrupt block stays, for fsck to report
+
+
 def test_a_block_noted_again_during_its_repair_is_not_forgotten(tmp_path):
     """A read that finds another bad replica while the monitor is copying the block notes
     it again; the round used to drop it from the pending set when that copy finished,
