@@ -305,8 +305,7 @@ async def _tick(blockio: BlockIO, ns: Namespace) -> None:
     while True:
         await trio.sleep(TICK_SECONDS)
         try:
-            blockio.persist_all()
-            await blockio.sync_namespace()
+            await _persist_and_sync(blockio)
         except Exception as exc:  # noqa: BLE001 - ending the daemon loses what open files hold
             if str(exc) != failing:
                 if isinstance(exc, FsError):
@@ -318,6 +317,19 @@ async def _tick(blockio: BlockIO, ns: Namespace) -> None:
             if failing is not None:
                 log.info("metadata persisted again")
             failing = None
+
+
+async def _persist_and_sync(blockio: BlockIO) -> None:
+    """Persist every open file, then sync the namespace even if one file could not be
+    persisted: what everything else committed (creates, renames, other files' sizes) must
+    still reach disk within the second, and dropped blocks are deleted only after a sync.
+    The persist error is raised afterwards."""
+    try:
+        blockio.persist_all()
+    except Exception:
+        await blockio.sync_namespace()
+        raise
+    await blockio.sync_namespace()
 
 
 async def _settle_unsynced(blockio: BlockIO) -> None:

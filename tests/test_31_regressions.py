@@ -449,10 +449,17 @@ def test_the_one_second_tick_survives_a_full_namespace_disk(tmp_path, monkeypatc
 def test_the_tick_goes_on_past_a_file_it_cannot_persist(tmp_path, monkeypatch, caplog):
     """An unexpected error persisting one open file (a bug; an out-of-range time did this)
     used to end the daemon from the tick. Now the tick logs it once with its traceback,
-    persists every other open file, and keeps going."""
+    persists every other open file, syncs the namespace all the same (it used to skip the
+    sync while one file failed, so nothing else became durable), and keeps going."""
     from tierfs.fs.blockio import BlockIO
     monkeypatch.setattr(mount, "TICK_SECONDS", 0.01)
     real_persist = BlockIO.persist
+    real_sync = BlockIO.sync_namespace
+    syncs = []
+
+    async def counted_sync(self):
+        syncs.append(1)
+        await real_sync(self)
 
     async def scenario(ops, blockio, ns):
         bad, bad_entry = await ops.create(ROOT_INO, b"bad", 0o644, os.O_RDWR, Ctx())
@@ -464,12 +471,14 @@ def test_the_tick_goes_on_past_a_file_it_cannot_persist(tmp_path, monkeypatch, c
             return real_persist(self, of, **kwargs)
 
         monkeypatch.setattr(BlockIO, "persist", persist)
+        monkeypatch.setattr(BlockIO, "sync_namespace", counted_sync)
         await ops.write(bad.fh, 0, b"b" * 100)
         await ops.write(good.fh, 0, b"g" * 300)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(mount._tick, blockio, ns)
             await trio.sleep(0.1)  # about 10 ticks
             assert ns.get_inode(good_entry.st_ino).size == 300
+            assert len(syncs) >= 3, syncs
             nursery.cancel_scope.cancel()
         monkeypatch.setattr(BlockIO, "persist", real_persist)
         await ops.release(bad.fh)
