@@ -41,6 +41,7 @@ from tierfs.fs.placement import Placer
 from tierfs.fs.recovery import delete_trash, recover
 from tierfs.fs.replication import ReplicationMonitor
 from tierfs.fs.resolver import Resolver
+from tierfs.fs.times import AtimeRule
 from tierfs.tools import mkfs, mountinfo
 
 log = logging.getLogger("tierfs.mount")
@@ -105,24 +106,44 @@ def libfuse_messages():
     captured = _Captured()
     sys.stderr.flush()
     saved = os.dup(2)
-    with tempfile.TemporaryFile() as sink:
+    # Our own log lines (pyfuse3 logs at DEBUG meanwhile) keep going where they went.
+    to_stderr = [h for h in logging.getLogger().handlers
+                 if isinstance(h, logging.StreamHandler) and _writes_to_fd(h.stream, 2)]
+    with tempfile.TemporaryFile() as sink, open(saved, "w", closefd=False) as log_stream:
+        moved = [(h, h.setStream(log_stream)) for h in to_stderr]
         os.dup2(sink.fileno(), 2)
         try:
             yield captured
         finally:
             os.dup2(saved, 2)
+            for handler, stream in moved:
+                handler.setStream(stream)
             os.close(saved)
             sink.seek(0)
             lines = sink.read().decode(errors="replace").splitlines()
             captured.text = "; ".join(line.strip() for line in lines if line.strip())
 
 
+def _writes_to_fd(stream, fd: int) -> bool:
+    try:
+        return stream.fileno() == fd
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
 def refuse_overlap(mnt: Path, path: Path, what: str) -> None:
     """The mount point must not be, hold, or lie inside DATA or a volume: the daemon
-    reaches them by path, and through its own mount it would wait for itself forever."""
-    mnt_real, real = Path(os.path.realpath(mnt)), Path(os.path.realpath(path))
-    if mnt_real == real or real in mnt_real.parents or mnt_real in real.parents:
-        raise MountError(f"mount point {mnt} overlaps {what} {path}: mount it elsewhere")
+    reaches them by path, and through its own mount it would wait for itself forever.
+    Both as given and resolved: a DATA given as a symlink inside the mount point resolves
+    elsewhere now, but the daemon opens it by the path given, through the mount."""
+    def forms(p: Path) -> set[Path]:
+        return {Path(os.path.abspath(p)), Path(os.path.realpath(p))}
+
+    for m in forms(mnt):
+        for p in forms(path):
+            if m == p or p in m.parents or m in p.parents:
+                raise MountError(f"mount point {mnt} overlaps {what} {path}: "
+                                 f"mount it elsewhere")
 
 
 def refuse_stacking(mnt: Path) -> None:
@@ -209,10 +230,10 @@ def raise_descriptor_limit() -> None:
         log.info("descriptor limit left at %d: %s", soft, exc)
 
 
-def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:
-    """Everything up to (not including) the FUSE mount; raises MountError."""
-    data = Path(os.path.abspath(args.data))
-    mnt = Path(os.path.abspath(args.mountpoint))
+def check_targets(data: Path, mnt: Path, option_groups: list[str]) -> None:
+    """What must hold before anything is written, the daemon's log in DATA included
+    (MountError, or FsError from mkfs's rule for an empty DATA)."""
+    user_options(option_groups)
     if not mnt.is_dir():
         raise MountError(f"mount point {mnt} does not exist or is not a directory")
     if data.exists() and not data.is_dir():
@@ -220,7 +241,15 @@ def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:
     refuse_overlap(mnt, data, "the data directory")
     refuse_stacking(mnt)
     if not mkfs.is_filesystem(data):
-        mkfs.check_empty(data, [])
+        mkfs.check_empty(data, mkfs.default_volumes(data))
+
+
+def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:
+    """Everything up to (not including) the FUSE mount; raises MountError."""
+    data = Path(os.path.abspath(args.data))
+    mnt = Path(os.path.abspath(args.mountpoint))
+    check_targets(data, mnt, args.options)
+    if not mkfs.is_filesystem(data):
         config = mkfs.make_filesystem(data)
         log.info("created filesystem %s in %s (default layout)", config.fs_uuid, data)
     stack = ExitStack()
@@ -241,7 +270,8 @@ def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:
         ns.set_state("mounted")
         resolver = Resolver(ns)
         raise_descriptor_limit()
-        blockio = BlockIO(ns, volumes, Placer(volumes, resolver.placement), new_session_id())
+        blockio = BlockIO(ns, volumes, Placer(volumes, resolver.placement), new_session_id(),
+                          atime_rule=AtimeRule.from_mount_options(user_options(args.options)))
         ops = Operations(ns, blockio, make_statfs(volumes, ns), resolver)
         ops.replication = ReplicationMonitor(ns, volumes, blockio, resolver)
     except BaseException:
@@ -388,7 +418,6 @@ def run(args, ready_fd: int | None) -> int:
         return 1
 
     try:
-        user_options(args.options)
         stack, ops, blockio, ns = prepare(args)
     except (MountError, FsError, UsageError) as exc:
         return fail(str(exc))
@@ -402,6 +431,9 @@ def run(args, ready_fd: int | None) -> int:
         except RuntimeError as exc:
             ns.set_state("clean")
             return fail(f"FUSE mount of {args.mountpoint} failed: {said.text or exc}")
+        except BaseException:  # a bug: its traceback goes out, but nothing was mounted
+            ns.set_state("clean")
+            raise
         if said.text:
             log.warning("libfuse: %s", said.text)
         if ready_fd is not None:
@@ -458,15 +490,14 @@ def daemonize(args) -> int:
 
 
 def may_mount(args) -> bool:
-    """The checks of prepare() that decide whether DATA is ours to write a log into: the
-    mount point is a directory, and DATA is missing, empty or a tierfs filesystem."""
-    data = Path(args.data)
-    if not os.path.isdir(args.mountpoint):
+    """Whether DATA is ours to write a log into: prepare()'s first checks pass. When they
+    do not, run() fails with their message through the pipe, leaving nothing behind."""
+    try:
+        check_targets(Path(os.path.abspath(args.data)), Path(os.path.abspath(args.mountpoint)),
+                      args.options)
+    except (MountError, FsError, OSError):
         return False
-    if not data.exists():
-        return True
-    return data.is_dir() and (mkfs.is_filesystem(data) or
-                              all(p.name == mkfs.DAEMON_LOG for p in data.iterdir()))
+    return True
 
 
 def open_log(path: str) -> None:
@@ -497,7 +528,28 @@ class DroppedReplyFilter(logging.Filter):
         return True
 
 
+def open_standard_fds() -> None:
+    """Give a closed stdin, stdout or stderr /dev/null (``mount.tierfs ... 2>&-``).
+
+    Otherwise the daemon's first open() would take that number: the namespace or a
+    replica would become "stderr", and libfuse's messages or a log line would be written
+    into it. Python also sets ``sys.stderr`` to None for a closed fd 2, which faulthandler
+    and the logging setup cannot use."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDWR)  # the lowest free number: this one
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(fd, "w", closefd=False, errors="backslashreplace"))
+
+
 def main(argv: list[str] | None = None) -> int:
+    open_standard_fds()
     args = parse_args(argv)
     args.data = os.path.abspath(args.data)
     args.mountpoint = os.path.abspath(args.mountpoint)

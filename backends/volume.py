@@ -43,6 +43,10 @@ from tierfs.fs.errors import ChecksumError, VolumeError
 _libc = ctypes.CDLL(None, use_errno=True)
 
 IDENTITY_FILE = "VERSION"
+#: What an "empty" directory may hold: mkfs.ext4 makes lost+found at the root of every
+#: filesystem, and a volume (or DATA) at the root of a freshly made disk is the usual case.
+#: Nothing of tierfs's looks inside it, and nothing of tierfs's deletes it.
+FOREIGN_BUT_EMPTY = frozenset({"lost+found"})
 """JSON: ``{"layout_version": 1, "fs_uuid", "volume_uuid", "volume_id", "storage_type"}``."""
 
 LAYOUT_VERSION = 1
@@ -489,7 +493,7 @@ def _prepare_empty_dir(path: Path) -> bool:
     if path.exists() or path.is_symlink():
         if not path.is_dir():
             raise VolumeError(f"volume directory {path} is not a directory", errno.ENOTDIR)
-        if any(path.iterdir()):
+        if any(p.name not in FOREIGN_BUT_EMPTY for p in path.iterdir()):
             raise VolumeError(f"volume directory {path} is not empty", errno.ENOTEMPTY)
         return False
     path.mkdir(parents=True)

@@ -43,7 +43,7 @@ from tierfs.backends.volume_set import VolumeSet
 from tierfs.fs.errors import FsError
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.schema import BlockRecord, Inode
-from tierfs.fs.times import atime_due
+from tierfs.fs.times import AtimeRule
 
 log = logging.getLogger(__name__)
 
@@ -107,11 +107,12 @@ class BlockIO:
     """Reads and writes file data for a mounted filesystem."""
 
     def __init__(self, ns: Namespace, volumes: VolumeSet, placer: Placer, session: bytes,
-                 *, max_open_replicas: int | None = None):
+                 *, max_open_replicas: int | None = None, atime_rule: AtimeRule = AtimeRule()):
         """``max_open_replicas``: replicas kept open across all open files, least recently
         used closed first (default: what the process's descriptor limit leaves, see
-        ``replica_budget``)."""
+        ``replica_budget``). ``atime_rule``: from the mount options."""
         self.ns = ns
+        self.atime_rule = atime_rule
         self.volumes = volumes
         self.placer = placer
         self.session = session
@@ -509,9 +510,10 @@ class BlockIO:
         return plan
 
     def _touch_atime(self, of: OpenFile) -> None:
-        """relatime (``fs/times.py``), kept in memory with the file's other times."""
+        """The mount's atime rule (``fs/times.py``), kept in memory with the file's other
+        times."""
         now = time.time_ns()
-        if atime_due(of.atime_ns, of.mtime_ns, of.ctime_ns, now):
+        if self.atime_rule.due(of.atime_ns, of.mtime_ns, of.ctime_ns, now):
             of.atime_ns = now
             of.attrs_dirty = True
 

@@ -34,7 +34,7 @@ from tierfs.fs.errors import FsError
 from tierfs.fs.namespace import NAME_MAX, Namespace
 from tierfs.fs.policy_xattrs import PolicyXattrs, is_policy_xattr
 from tierfs.fs.schema import ROOT_INO, Inode
-from tierfs.fs.times import atime_due, storable_time_ns
+from tierfs.fs.times import storable_time_ns
 
 log = logging.getLogger(__name__)
 
@@ -314,12 +314,13 @@ class Operations(pyfuse3.Operations):
         return target
 
     def _read_moves_atime(self, inode: Inode) -> None:
-        """relatime for a directory listed or a symlink read (``fs/times.py``). Stored at
-        once, and the kernel told to ask for the attributes again before the reply goes out
+        """The mount's atime rule for a directory listed or a symlink read
+        (``fs/times.py``). Stored at once, and the kernel told to ask for the attributes again before the reply goes out
         (only the attributes: nothing to wait for); a namespace that cannot store it (full
         disk) leaves atime as it was rather than failing the read."""
         now = time.time_ns()
-        if not atime_due(inode.atime_ns, inode.mtime_ns, inode.ctime_ns, now):
+        if not self.blockio.atime_rule.due(inode.atime_ns, inode.mtime_ns, inode.ctime_ns,
+                                           now):
             return
         try:
             self.ns.setattr(inode.ino, atime_ns=now, ctime_ns=inode.ctime_ns)

@@ -1,13 +1,16 @@
 """Timestamp rules: which times tierfs can store, and when a read moves atime.
 
 The kernel leaves atime to a FUSE filesystem entirely (it marks every FUSE inode
-``S_NOATIME``), so tierfs applies relatime itself: to files on the reads it serves, to
-directories when they are listed, to symlinks when they are read.
+``S_NOATIME``), so tierfs applies relatime itself (unless the mount is ``ro`` or
+``noatime``): to files on the reads it serves, to directories when they are listed, to
+symlinks when they are read.
 """
 
 from __future__ import annotations
 
 import errno
+from dataclasses import dataclass
+from typing import Iterable
 
 from tierfs.fs.errors import FsError
 from tierfs.fs.schema import TIME_NS_MAX, TIME_NS_MIN
@@ -25,7 +28,20 @@ def storable_time_ns(value: int) -> int:
     return value
 
 
-def atime_due(atime_ns: int, mtime_ns: int, ctime_ns: int, now_ns: int) -> bool:
-    """relatime: a read moves atime only when atime is not newer than mtime or ctime, or
-    is more than a day old."""
-    return atime_ns <= mtime_ns or atime_ns <= ctime_ns or now_ns - atime_ns > RELATIME_NS
+@dataclass(frozen=True)
+class AtimeRule:
+    """When a read moves atime: relatime, or never on a mount with ``ro`` or ``noatime``.
+    The kernel applies neither flag to a FUSE inode, so they are the daemon's to keep (a
+    read-only mount must not write). libfuse accepts no other atime option."""
+
+    moves: bool = True
+
+    @classmethod
+    def from_mount_options(cls, options: Iterable[str]) -> AtimeRule:
+        return cls(moves=not set(options) & {"ro", "noatime"})
+
+    def due(self, atime_ns: int, mtime_ns: int, ctime_ns: int, now_ns: int) -> bool:
+        """relatime: a read moves atime only when atime is not newer than mtime or ctime,
+        or is more than a day old."""
+        return self.moves and (atime_ns <= mtime_ns or atime_ns <= ctime_ns
+                               or now_ns - atime_ns > RELATIME_NS)

@@ -74,7 +74,8 @@ class FS:
         self.start()
 
     def start(self) -> None:
-        args = argparse.Namespace(data=str(self.data), mountpoint=str(self.mountpoint))
+        args = argparse.Namespace(data=str(self.data), mountpoint=str(self.mountpoint),
+                                  options=[])
         self.stack, self.ops, self.blockio, self.ns = mount.prepare(args)
 
     def stop(self) -> None:

@@ -37,7 +37,7 @@ def prepared(data, check=True):
     mnt = data.parent / "mnt"
     mnt.mkdir(exist_ok=True)
     stack, ops, blockio, ns = mount.prepare(argparse.Namespace(data=str(data),
-                                                               mountpoint=str(mnt)))
+                                                               mountpoint=str(mnt), options=[]))
     try:
         yield ops, blockio, ns
     finally:
@@ -497,8 +497,8 @@ def test_unmount_with_a_full_namespace_disk_leaves_it_for_recovery(tmp_path, mon
     left) and the next mount recovers the open file from its replicas."""
     data = new_filesystem(tmp_path)
     (tmp_path / "mnt").mkdir()
-    stack, ops, blockio, ns = mount.prepare(argparse.Namespace(data=str(data),
-                                                               mountpoint=str(tmp_path / "mnt")))
+    stack, ops, blockio, ns = mount.prepare(argparse.Namespace(
+        data=str(data), mountpoint=str(tmp_path / "mnt"), options=[]))
     run = lambda fn, *a: trio.run(lambda: fn(*a))
     fi, entry = run(ops.create, ROOT_INO, b"f", 0o644, os.O_RDWR, Ctx())
     run(ops.write, fi.fh, 0, b"y" * 5000)

@@ -446,7 +446,98 @@ def test_a_mount_point_overlapping_data_or_a_volume_is_refused(tmp_path):
     (outside / "current" / "sub").rmdir()
     mnt = tmp_path / "mnt"
     mnt.mkdir()
+    # DATA given through a symlink inside the mount point resolves elsewhere, but the
+    # daemon opens it by the path given: through its own mount (before: a hang).
+    os.symlink(data, mnt / "link")
+    for mode in (["-f"], []):
+        r = mount_cmd(mnt / "link", mnt, *mode, timeout=30)
+        assert_one_line_error(r, 1, str(mnt), "overlaps", "the data directory",
+                              prefix="mount.tierfs: ")
+        assert not is_mounted(mnt)
+    os.unlink(mnt / "link")
     assert_remount_is_clean(data, mnt)
+
+
+@pytest.mark.parametrize("refusal", ["mount point is DATA", "fsname"])
+def test_a_refused_background_mount_of_a_new_data_directory_writes_nothing(tmp_path, refusal):
+    """The background daemon opens its log in DATA before prepare() runs; a refusal that
+    only prepare() made left DATA/tierfs.log behind (in a mount point, for one)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    if refusal == "mount point is DATA":
+        r = mount_cmd(data, data)
+    else:
+        (tmp_path / "mnt").mkdir()
+        r = mount_cmd(data, tmp_path / "mnt", "-o", "fsname=x")
+    assert_one_line_error(r, 1, prefix="mount.tierfs: ")
+    assert list(data.iterdir()) == []
+
+
+def test_a_data_directory_at_the_root_of_a_fresh_disk_is_taken(tmp_path):
+    """mkfs.ext4 puts lost+found at the root of every filesystem; DATA and volumes are
+    often such roots. Both mount.tierfs (default layout, which may also find its volume
+    directories made, empty) and tierfs mkfs take them, and leave lost+found alone."""
+    data, mnt = tmp_path / "data", tmp_path / "mnt"
+    (data / "lost+found").mkdir(parents=True)
+    (data / "ssd").mkdir()
+    mnt.mkdir()
+    r = mount_cmd(data, mnt)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    (mnt / "f").write_bytes(b"kept")
+    assert run([TIERFS, "umount", str(mnt)]).returncode == 0
+    assert (data / "lost+found").is_dir()
+    assert_remount_is_clean(data, mnt, {"f": b"kept"})
+
+    other, volume = tmp_path / "other", tmp_path / "volume"
+    (other / "lost+found").mkdir(parents=True)
+    (volume / "lost+found").mkdir(parents=True)
+    r = run([TIERFS, "mkfs", str(other), "--volume", f"DISK:{volume}"])
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert (volume / "lost+found").is_dir() and (volume / "VERSION").is_file()
+
+
+@pytest.mark.parametrize("foreground", [False, True])
+def test_a_mount_started_with_stderr_closed_works(tmp_path, foreground):
+    """``mount.tierfs DATA MNT 2>&-``: Python then has no sys.stderr, and the daemon's
+    first open() would take descriptor 2 (libfuse's messages written into the namespace).
+    It failed with "daemon died"; now fd 2 is /dev/null, or the log in the background."""
+    data, mnt = tmp_path / "data", tmp_path / "mnt"
+    mnt.mkdir()
+    cmd = [MOUNT_TIERFS, str(data), str(mnt)] + (["-f"] if foreground else [])
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, preexec_fn=lambda: os.close(2))
+    try:
+        if foreground:
+            deadline = time.monotonic() + 30
+            while not is_mounted(mnt):
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.02)
+            pid = proc.pid
+        else:
+            assert proc.wait(timeout=60) == 0
+            pid = lock_holder_pid(data)
+        expected = os.devnull if foreground else str(data / "tierfs.log")
+        assert os.readlink(f"/proc/{pid}/fd/2") == expected
+        (mnt / "f").write_bytes(b"x" * 100_000)
+        assert (mnt / "f").read_bytes() == b"x" * 100_000
+    finally:
+        r = run([TIERFS, "umount", str(mnt)])
+    assert r.returncode == 0, r.stderr
+    if foreground:
+        assert proc.wait(timeout=30) == 0
+    assert_remount_is_clean(data, mnt, {"f": b"x" * 100_000})
+
+
+def test_debug_lines_stay_out_of_the_one_line_error(data_dir, tmp_path):
+    """With --debug, pyfuse3's own log lines during the FUSE setup were captured along
+    with libfuse's explanation and made part of the error line."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    r = mount_cmd(data_dir, mnt, "-f", "--debug", "-o", "no_such_option")
+    assert r.returncode == 1
+    errors = [line for line in r.stderr.splitlines() if line.startswith("mount.tierfs: ")]
+    assert errors == ["mount.tierfs: FUSE mount of %s failed: fuse: unknown option(s): "
+                      "`-o no_such_option'" % mnt], r.stderr
+    assert "Initializing pyfuse3" in r.stderr  # the debug lines went to stderr as usual
 
 
 def test_mounting_over_a_tierfs_mount_is_refused(mounted, tmp_path):

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import Mount, assert_fsck_clean
+
 NOBODY = 65534
 OTHER = 65533      # a second unprivileged user (sticky directories)
 THIRD = 65532
@@ -1058,6 +1060,42 @@ def test_listing_a_directory_and_reading_a_symlink_move_atime(mnt):
     os.readlink(mnt / "link")
     assert os.stat(mnt / "d").st_atime_ns == listed.st_atime_ns
     assert os.lstat(mnt / "link").st_atime_ns == read.st_atime_ns
+
+
+@pytest.mark.parametrize("option", ["ro", "noatime"])
+def test_reads_on_a_read_only_or_noatime_mount_leave_atime_alone(tmp_path, data_dir, option):
+    """The kernel applies neither flag to a FUSE inode; the daemon moved atime on a
+    read-only mount all the same, a write to a filesystem mounted not to be written."""
+    day = 24 * 3600 * 10**9
+    old = time.time_ns() - 3 * day
+    mnt = tmp_path / "mnt"
+    writable = Mount(data_dir, mnt).start()
+    os.mkdir(mnt / "d")
+    write_file(mnt / "d" / "f", b"data")
+    os.symlink("d/f", mnt / "link")
+    for path in (mnt / "d", mnt / "d" / "f", mnt / "link"):
+        os.utime(path, ns=(old, old), follow_symlinks=False)
+    writable.stop()
+
+    mount = Mount(data_dir, mnt, f"allow_other,{option}").start()
+    try:
+        assert os.listdir(mnt / "d") == ["f"]
+        assert read_file(mnt / "d" / "f") == b"data"
+        assert os.readlink(mnt / "link") == "d/f"
+        if option == "ro":
+            with pytest.raises(OSError) as caught:
+                write_file(mnt / "d" / "g")
+            assert caught.value.errno == errno.EROFS
+    finally:
+        mount.stop()
+
+    mount = Mount(data_dir, mnt).start()  # what reached the namespace
+    try:
+        for path in (mnt / "d", mnt / "d" / "f", mnt / "link"):
+            assert os.lstat(path).st_atime_ns == old, path
+    finally:
+        mount.stop()
+    assert_fsck_clean(data_dir)
 
 
 #: The times the namespace keeps exactly: signed 64-bit nanoseconds.

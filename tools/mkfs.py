@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierfs.backends.storage_types import StorageType
-from tierfs.backends.volume import Volume
+from tierfs.backends.volume import FOREIGN_BUT_EMPTY, Volume
 from tierfs.fs.errors import FsError, UsageError
 from tierfs.fs.inherited import RenameMode
 from tierfs.fs.namespace import FsConfig, Namespace, VolumeConfig
@@ -82,7 +82,8 @@ def check_empty(data_dir: Path, volumes: list[VolumeSpec]) -> None:
     if not data_dir.is_dir():
         return
     volume_paths = {os.path.realpath(v.path) for v in volumes}
-    if any(name != DAEMON_LOG and os.path.realpath(data_dir / name) not in volume_paths
+    allowed = FOREIGN_BUT_EMPTY | {DAEMON_LOG}
+    if any(name not in allowed and os.path.realpath(data_dir / name) not in volume_paths
            for name in os.listdir(data_dir)):
         raise FsError(errno.ENOTEMPTY, f"{data_dir} is neither empty nor a tierfs filesystem")
 
@@ -148,7 +149,7 @@ def _undo_volumes(made) -> None:
     """A failed mkfs leaves no half-made volumes behind, so it can simply be run again."""
     for path, existed in made:
         if existed:
-            for entry in os.listdir(path):
+            for entry in set(os.listdir(path)) - FOREIGN_BUT_EMPTY:
                 target = os.path.join(path, entry)
                 shutil.rmtree(target) if os.path.isdir(target) else os.unlink(target)
         else:

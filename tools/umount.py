@@ -32,5 +32,5 @@ def unmount(mountpoint: Path, timeout: float = 120.0) -> None:
     while lock.holder() is not None:
         if time.monotonic() > deadline:
             raise FsError(errno.ETIMEDOUT,
-                          f"unmounted, but the daemon has not finished after {timeout:.0f} s")
+                          f"unmounted, but the daemon has not finished after {timeout:g} s")
         time.sleep(0.05)
