@@ -260,21 +260,22 @@ class Operations(pyfuse3.Operations):
     @handler
     async def setattr(self, inode, attr, fields, fh, ctx):
         now = time.time_ns()
+        changes = {}
+        # Times are checked first: a request refused with EINVAL must change nothing.
+        if fields.update_atime:
+            changes["atime_ns"] = storable_time_ns(attr.st_atime_ns)
+        if fields.update_mtime:
+            changes["mtime_ns"] = storable_time_ns(attr.st_mtime_ns)
+        ctime = storable_time_ns(attr.st_ctime_ns) if fields.update_ctime else now
         if fields.update_size:
             await self._truncate(inode, attr.st_size, fh)
         of = self.blockio.files.get(inode)
-        changes = {}
         if fields.update_mode:
             changes["mode"] = attr.st_mode
         if fields.update_uid:
             changes["uid"] = attr.st_uid
         if fields.update_gid:
             changes["gid"] = attr.st_gid
-        if fields.update_atime:
-            changes["atime_ns"] = storable_time_ns(attr.st_atime_ns)
-        if fields.update_mtime:
-            changes["mtime_ns"] = storable_time_ns(attr.st_mtime_ns)
-        ctime = storable_time_ns(attr.st_ctime_ns) if fields.update_ctime else now
         times_only = not {"mode", "uid", "gid"} & changes.keys()
         if of is not None and times_only and (changes or fields.update_ctime):
             # An open file's times live in memory until release or the one-second tick;

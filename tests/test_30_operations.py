@@ -1084,6 +1084,23 @@ def test_setattr_mode_owner_and_times(fs):
     assert (attr2.st_atime_ns, attr2.st_mtime_ns) == (1_000_000_000, 2_000_000_000)
 
 
+def test_setattr_with_a_time_out_of_range_changes_nothing(fs):
+    """EINVAL for a time the namespace cannot hold, before anything else of the request
+    is applied (the size was truncated first, then the time refused)."""
+    fh, f = fs.create(b"f")
+    fs.write(fh, 0, b"abcdef")
+    attr = pyfuse3.EntryAttributes()
+    attr.st_size = 2
+    attr.st_atime_ns = -(1 << 63) - 1  # one below what fits in signed 64 bits
+    assert attr.st_atime_ns == -(1 << 63) - 1
+    with pytest.raises(pyfuse3.FUSEError) as caught:
+        fs.call(fs.ops.setattr, f, attr, Fields(update_size=True, update_atime=True), fh,
+                fs.ctx)
+    assert caught.value.errno == errno.EINVAL
+    assert fs.getattr(f).st_size == 6
+    fs.release(fh)
+
+
 def test_new_inodes_take_the_callers_umask_and_ids(fs):
     ctx = Ctx(umask=0o027)
     fi, entry = fs.call(fs.ops.create, ROOT_INO, b"f", 0o666, os.O_RDWR, ctx)
