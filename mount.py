@@ -326,40 +326,52 @@ async def _tune_after_init(ops: Operations, mountpoint: str) -> None:
     await trio.to_thread.run_sync(tune_readahead, mountpoint)
 
 
+class _RetriedStep:
+    """One step of the tick, retried every second: a failure is logged once per distinct
+    reason (with its traceback when it is a bug), and again when the step works."""
+
+    def __init__(self, what: str):
+        self.what = what
+        self.failing: str | None = None
+
+    def failed(self, exc: Exception) -> None:
+        """Call from the except clause (the traceback is the current exception's)."""
+        if str(exc) != self.failing:
+            if isinstance(exc, FsError):
+                log.error("%s (retried every second): %s", self.what, exc)
+            else:
+                log.exception("BUG: %s (retried every second)", self.what)
+        self.failing = str(exc)
+
+    def worked(self) -> None:
+        if self.failing is not None:
+            log.info("%s: done again", self.what)
+        self.failing = None
+
+
 async def _tick(blockio: BlockIO, ns: Namespace) -> None:
     """Metadata reaches disk within about a second (DESIGN.md section 3). When it cannot
     (the namespace's disk is full), the open files keep it in memory and the next tick
     tries again: the mount goes on, and fsync reports the error to whoever asks for
-    durability."""
-    failing = None
+    durability. The sync runs even when an open file could not be persisted: what
+    everything else committed (creates, renames, other files' sizes) must still reach
+    disk, and dropped blocks are deleted only after a sync."""
+    persist = _RetriedStep("metadata of open files not persisted")
+    sync = _RetriedStep("namespace not synced")
     while True:
         await trio.sleep(TICK_SECONDS)
         try:
-            await _persist_and_sync(blockio)
+            blockio.persist_all()
         except Exception as exc:  # noqa: BLE001 - ending the daemon loses what open files hold
-            if str(exc) != failing:
-                if isinstance(exc, FsError):
-                    log.error("metadata not persisted (retried every second): %s", exc)
-                else:
-                    log.exception("BUG: metadata not persisted (retried every second)")
-            failing = str(exc)
+            persist.failed(exc)
         else:
-            if failing is not None:
-                log.info("metadata persisted again")
-            failing = None
-
-
-async def _persist_and_sync(blockio: BlockIO) -> None:
-    """Persist every open file, then sync the namespace even if one file could not be
-    persisted: what everything else committed (creates, renames, other files' sizes) must
-    still reach disk within the second, and dropped blocks are deleted only after a sync.
-    The persist error is raised afterwards."""
-    try:
-        blockio.persist_all()
-    except Exception:
-        await blockio.sync_namespace()
-        raise
-    await blockio.sync_namespace()
+            persist.worked()
+        try:
+            await blockio.sync_namespace()
+        except Exception as exc:  # noqa: BLE001 - as above
+            sync.failed(exc)
+        else:
+            sync.worked()
 
 
 async def _settle_unsynced(blockio: BlockIO) -> None:

@@ -443,7 +443,7 @@ def test_the_one_second_tick_survives_a_full_namespace_disk(tmp_path, monkeypatc
         trio.run(scenario, ops, blockio, ns)  # before: FsError ENOSPC out of _tick
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "no space left" in errors[0].getMessage()
-    assert "metadata persisted again" in caplog.text
+    assert "metadata of open files not persisted: done again" in caplog.text
 
 
 def test_the_tick_goes_on_past_a_file_it_cannot_persist(tmp_path, monkeypatch, caplog):
@@ -489,6 +489,40 @@ def test_the_tick_goes_on_past_a_file_it_cannot_persist(tmp_path, monkeypatch, c
         trio.run(scenario, ops, blockio, ns)  # before: OverflowError out of _tick
     bugs = [r for r in caplog.records if r.levelname == "ERROR"]
     assert len(bugs) == 1 and "OverflowError: injected" in caplog.text
+
+
+def test_the_tick_logs_a_persist_failure_and_a_sync_failure_each(tmp_path, monkeypatch,
+                                                                 caplog):
+    """When the namespace sync failed too, its error replaced the persist error: a bug's
+    traceback was never logged. Each step now logs its own failure, once."""
+    from tierfs.fs.blockio import BlockIO
+    from tierfs.fs.errors import FsError
+    monkeypatch.setattr(mount, "TICK_SECONDS", 0.01)
+
+    def broken_persist_all(self):
+        raise TypeError("injected persist bug")
+
+    async def failing_sync(self):
+        raise FsError(errno.EIO, "injected sync failure")
+
+    async def scenario(ops, blockio, ns):
+        monkeypatch.setattr(BlockIO, "persist_all", broken_persist_all)
+        monkeypatch.setattr(BlockIO, "sync_namespace", failing_sync)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(mount._tick, blockio, ns)
+            await trio.sleep(0.1)  # about 10 ticks
+            nursery.cancel_scope.cancel()
+        monkeypatch.undo()
+
+    with prepared(new_filesystem(tmp_path)) as (ops, blockio, ns):
+        trio.run(scenario, ops, blockio, ns)
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 2, [r.getMessage() for r in errors]
+    bug, sync = sorted(errors, key=lambda r: "BUG" not in r.getMessage())
+    assert "BUG: metadata of open files not persisted" in bug.getMessage()
+    assert bug.exc_info and bug.exc_info[0] is TypeError
+    assert "namespace not synced" in sync.getMessage()
+    assert "injected sync failure" in sync.getMessage()
 
 
 def test_unmount_with_a_full_namespace_disk_leaves_it_for_recovery(tmp_path, monkeypatch):
