@@ -13,30 +13,57 @@ from __future__ import annotations
 import errno
 import os
 import uuid
+from contextlib import contextmanager
 
 from tierfs.backends.volume import Volume
-from tierfs.fs.errors import FsError, VolumeError
+from tierfs.fs.errors import ChecksumError, FsError, VolumeError
 
 COPY_CHUNK = 1 << 20
 
 
+class SourceReplicaError(FsError):
+    """The copy failed on its source (missing, unreadable, or ``corrupt``: a chunk failed
+    its checksum), not on its target: the caller blames the source replica, not the
+    target volume."""
+
+    def __init__(self, source: Volume, block_id: int, gs: int, cause: BaseException):
+        err = cause.errno if isinstance(cause, (FsError, OSError)) and cause.errno else errno.EIO
+        detail = cause.strerror if isinstance(cause, OSError) and cause.strerror else cause
+        super().__init__(err, f"copy of blk_{block_id}_{gs}: source {source.path}: {detail}")
+        self.corrupt = isinstance(cause, ChecksumError)
+
+
+@contextmanager
+def _source_side(source: Volume, block_id: int, gs: int):
+    try:
+        yield
+    except (FsError, OSError) as exc:
+        raise SourceReplicaError(source, block_id, gs, exc) from exc
+
+
 def copy_replica(source: Volume, target: Volume, block_id: int, gs: int) -> int:
-    """Copy replica ``blk_<id>_<gs>`` from ``source`` to ``target``; returns its length."""
+    """Copy replica ``blk_<id>_<gs>`` from ``source`` to ``target``; returns its length.
+    A failure reading the source raises SourceReplicaError, one writing the target
+    VolumeError."""
     tag = uuid.uuid4().hex
     tmp_data = target.tmp_dir / f"blk_{block_id}.{tag}"
     tmp_meta = target.tmp_dir / f"blk_{block_id}_{gs}.meta.{tag}"
-    replica = source.open_replica(block_id, gs, writable=False)
+    with _source_side(source, block_id, gs):
+        replica = source.open_replica(block_id, gs, writable=False)
     try:
         length = replica.length
         with open(tmp_data, "wb") as out:
             offset = 0
             while offset < length:
-                data = replica.read(offset, COPY_CHUNK)
+                with _source_side(source, block_id, gs):
+                    data = replica.read(offset, COPY_CHUNK)
                 out.write(data)
                 offset += len(data)
-        with open(source.meta_path(block_id, gs), "rb") as meta_in, \
-                open(tmp_meta, "wb") as meta_out:
-            meta_out.write(meta_in.read())
+        with _source_side(source, block_id, gs), open(source.meta_path(block_id, gs),
+                                                        "rb") as meta_in:
+            meta = meta_in.read()
+        with open(tmp_meta, "wb") as meta_out:
+            meta_out.write(meta)
         target.install_replica(block_id, gs, tmp_data, tmp_meta)
     except BaseException as exc:
         for leftover in (tmp_data, tmp_meta):

@@ -26,13 +26,14 @@ import errno
 import heapq
 import logging
 import time
+from dataclasses import dataclass
 
 import trio
 
-from tierfs.backends.copy import copy_error, copy_replica
+from tierfs.backends.copy import SourceReplicaError, copy_error, copy_replica
 from tierfs.backends.volume_set import VolumeSet
 from tierfs.fs.blockio import BlockIO
-from tierfs.fs.errors import ChecksumError, FsError
+from tierfs.fs.errors import FsError
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.placement import choose_volumes
 from tierfs.fs.resolver import Resolver
@@ -46,10 +47,29 @@ BATCH = 256
 YIELD_EVERY = 64
 
 
-class Unrepairable(Exception):
-    """Every replica of the block is bad: nothing to copy from. The monitor stops trying
-    (fsck reports the block) until a read or the next mount's scan notes it again, rather
-    than reading the whole block again and logging the same error every few seconds."""
+class Unrepairable(FsError):
+    """Every replica of the block, as it is now, failed its checksum in a verified copy:
+    nothing to copy from. Retried like any failure, but a retry finds the same findings
+    and reads nothing, until a writer gives the block a new stamp (the findings are then
+    stale) and the copy is tried again. fsck reports the block meanwhile."""
+
+    def __init__(self, block_id: int, ino: int):
+        super().__init__(errno.EIO, f"block {block_id} of inode {ino} has no good replica "
+                                    f"left: every replica failed its checksum in a "
+                                    f"verified copy")
+
+
+@dataclass
+class BadReplica:
+    """A replica found bad at one stamp of its block (a rewrite or truncate makes the
+    finding stale). Reported by a read, it may have been a passing error: while another
+    replica is left it is dropped, and when none is, a verified copy decides. ``corrupt``:
+    such a copy from it failed its checksum."""
+
+    block_id: int
+    gs: int
+    reason: str
+    corrupt: bool = False
 
 
 class ReplicationMonitor:
@@ -66,7 +86,7 @@ class ReplicationMonitor:
         self.ready: set[tuple[int, int]] = set()
         self.retry_at: dict[tuple[int, int], float] = {}
         self.waiting: list[tuple[float, tuple[int, int]]] = []  # heap; stale entries skipped
-        self.bad: dict[tuple[int, int], dict[int, str]] = {}
+        self.bad: dict[tuple[int, int], dict[int, BadReplica]] = {}
         self.failures: dict[tuple[int, int], str] = {}
         # Volumes where a copy of a block failed (e.g. leftovers of a dropped replica that
         # could not be deleted yet): the next attempt goes elsewhere.
@@ -97,8 +117,27 @@ class ReplicationMonitor:
                 self.ready.add(key)
 
     def report_bad(self, ino: int, index: int, volume_id: int, reason: str) -> None:
-        self.bad.setdefault((ino, index), {})[volume_id] = reason
+        """A read found this replica bad (``BlockIO.on_bad_replica``)."""
+        rec = self._record(ino, index)
+        if rec is not None:
+            self._mark_bad((ino, index), rec, volume_id, reason)
         self.note(ino, index)
+
+    def _mark_bad(self, key: tuple[int, int], rec: BlockRecord, volume_id: int, reason: str,
+                  corrupt: bool = False) -> None:
+        marks = self.bad.setdefault(key, {})
+        old = marks.get(volume_id)
+        if old is not None and old.corrupt and (old.block_id, old.gs) == (rec.block_id, rec.gs):
+            return  # a verified finding stands
+        marks[volume_id] = BadReplica(rec.block_id, rec.gs, reason, corrupt)
+
+    def _current_marks(self, key: tuple[int, int], rec: BlockRecord) -> dict[int, BadReplica]:
+        """The findings about the block as it is now; stale ones are forgotten."""
+        marks = {v: m for v, m in self.bad.pop(key, {}).items()
+                 if v in rec.volumes and (m.block_id, m.gs) == (rec.block_id, rec.gs)}
+        if marks:
+            self.bad[key] = marks
+        return marks
 
     async def scan(self) -> int:
         """Background scan of every block for under-replication (at mount). Returns how
@@ -139,17 +178,15 @@ class ReplicationMonitor:
             self.ready.discard(key)
             try:
                 added += await self._repair(ino, index)
-            except Unrepairable:
-                if key not in self.ready:
-                    self._forget(key)
-                continue
             except Exception as exc:  # noqa: BLE001 - background work must not end the mount
                 reason = copy_error(exc)
                 if not isinstance(exc, FsError):
                     log.exception("replication of block %d of inode %d failed unexpectedly",
                                   index, ino)
                 elif self.failures.get(key) != reason:
-                    log.warning("replication of block %d of inode %d: %s", index, ino, reason)
+                    level = logging.ERROR if isinstance(exc, Unrepairable) else logging.WARNING
+                    log.log(level, "replication of block %d of inode %d: %s", index, ino,
+                            reason)
                 self.failures[key] = reason
                 if key not in self.ready:
                     self._back_off(key)
@@ -162,13 +199,13 @@ class ReplicationMonitor:
         self.pending.discard(key)
         self.avoid.pop(key, None)
         self.failures.pop(key, None)
+        self.bad.pop(key, None)
 
     # --- one block ----------------------------------------------------------------------------
 
     async def _repair(self, ino: int, index: int) -> int:
         rec = self._record(ino, index)
         if rec is None:
-            self.bad.pop((ino, index), None)
             return 0
         rec = self._drop_bad(ino, index, rec)
         replication = self._replication(ino)
@@ -207,16 +244,19 @@ class ReplicationMonitor:
                    and not self.volumes.get(v).storage_type.transient)
 
     def _drop_bad(self, ino: int, index: int, rec: BlockRecord) -> BlockRecord:
-        """Drop replicas reported bad, keeping at least one (a last replica is never
-        deleted: it may be readable in part, and fsck reports the block)."""
-        bad = {v: r for v, r in self.bad.pop((ino, index), {}).items() if v in rec.volumes}
+        """Drop replicas found bad while another is left. When every replica was found
+        bad, all are kept (a last replica is never deleted: it may be readable in part,
+        or have met a passing error), and a verified copy, if one is needed, decides."""
+        bad = self._current_marks((ino, index), rec)
         if not bad:
             return rec
         keep = [v for v in rec.volumes if v not in bad]
         if not keep:
-            log.error("block %d of inode %d has no good replica left (%s)", rec.block_id, ino,
-                      "; ".join(bad.values()))
-            raise Unrepairable()
+            if self.failures.get((ino, index)) is None:
+                log.error("block %d of inode %d has no good replica left (%s)", rec.block_id,
+                          ino, "; ".join(m.reason for m in bad.values()))
+            return rec
+        del self.bad[(ino, index)]
         self.ns.drop_replicas(ino, index, tuple(bad))
         self.blockio.delete_trash(self.ns.last_trash)
         log.warning("dropped bad replica(s) of block %d on volume(s) %s", rec.block_id,
@@ -226,9 +266,15 @@ class ReplicationMonitor:
         return rec
 
     def _source(self, rec: BlockRecord, ino: int, index: int):
+        """The fastest replica not yet found corrupt by a verified copy; Unrepairable when
+        every replica has been."""
+        corrupt = {v for v, m in self._current_marks((ino, index), rec).items() if m.corrupt}
         for volume in self.volumes.sorted_for_read(rec.volumes):
-            return volume
-        raise FsError(errno.EIO, f"block {rec.block_id} of inode {ino} has no replica")
+            if volume.id not in corrupt:
+                return volume
+        if not rec.volumes:
+            raise FsError(errno.EIO, f"block {rec.block_id} of inode {ino} has no replica")
+        raise Unrepairable(rec.block_id, ino)
 
     async def _copy(self, ino: int, index: int, rec: BlockRecord, source, target) -> None:
         # ``rec`` may be the open file's live record, which a writer re-stamps in place
@@ -240,11 +286,13 @@ class ReplicationMonitor:
             now = self._record(ino, index)
             if now is None or now.gs != gs:  # a writer re-stamped it (and renamed its files)
                 raise FsError(errno.EAGAIN, "block changed during the copy; retrying") from exc
-            if isinstance(exc, ChecksumError):
-                # Only recorded: the failed repair backs off, and its next try drops this
-                # replica or, if it was the last good one, gives the block up. Noting it
-                # (``report_bad``) would make it ready again and retry it every round.
-                self.bad.setdefault((ino, index), {})[source.id] = str(exc)
+            if isinstance(exc, SourceReplicaError):
+                # Only recorded, not noted (that would make the block ready again and retry
+                # it every round): the next try copies from another replica, or gives the
+                # block up when every one failed its checksum.
+                self._mark_bad((ino, index), now, source.id, str(exc), corrupt=exc.corrupt)
+                if exc.corrupt:
+                    self._source(now, ino, index)  # Unrepairable if that was the last one
             else:
                 self.avoid.setdefault((ino, index), set()).add(target.id)
             raise

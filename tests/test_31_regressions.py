@@ -4,7 +4,7 @@ xattr name list that could grow past what listxattr can return, reads racing tru
 and a background copy racing a writer."""
 import argparse, errno, os, stat
 from contextlib import contextmanager
-import pyfuse3, trio
+import pyfuse3, pytest, trio
 from tierfs import mount
 from tierfs.backends.storage_types import StorageType
 from tierfs.fs import schema
@@ -325,13 +325,13 @@ def test_blocks_backing_off_cost_a_replication_round_nothing(tmp_path, monkeypat
         assert sorted(tried) == [(ino, 0) for ino in range(1000, 6000)]
 
 
-def test_a_block_whose_only_replica_is_corrupt_is_given_up_not_retried_every_round(
+def test_a_block_whose_only_replica_is_corrupt_is_not_read_again_until_rewritten(
         tmp_path, monkeypatch, caplog):
     """Replication 2, and the one replica turns out corrupt when the monitor copies it.
     The copy's own checksum report made the block ready again, so every round (0.5 s)
-    read the whole block again and logged "no good replica left". Now the failed copy
-    backs off, the next try finds nothing good to copy from, logs that once and gives the
-    block up (fsck reports it; a read or the next mount notes it again)."""
+    read the whole block again and logged "no good replica left". Now the finding is
+    kept with the block's stamp: retries read nothing and log nothing more, until a
+    rewrite gives the block a new stamp, and then the copy is made."""
     import glob
     from tierfs.fs import replication
     from tierfs.fs.policy_xattrs import REPLICATION
@@ -346,7 +346,12 @@ def test_a_block_whose_only_replica_is_corrupt_is_given_up_not_retried_every_rou
     clock = [replication.time.monotonic()]
     monkeypatch.setattr(replication.time, "monotonic", lambda: clock[0])
 
-    async def scenario(ops):
+    async def rounds(monitor, seconds):
+        for _ in range(int(seconds / replication.ROUND_SECONDS)):
+            await monitor.round()
+            clock[0] += replication.ROUND_SECONDS
+
+    async def scenario(ops, ns):
         monitor = ops.replication
         fi, entry = await ops.create(ROOT_INO, b"f", 0o644, os.O_RDWR, Ctx())
         await ops.write(fi.fh, 0, b"a" * 10_000)
@@ -358,27 +363,138 @@ def test_a_block_whose_only_replica_is_corrupt_is_given_up_not_retried_every_rou
             f.write(b"Z")
         await ops.setxattr(entry.st_ino, REPLICATION, b"2", Ctx())
         monitor.note(entry.st_ino, 0)
-        for _ in range(4):  # two seconds of rounds
-            await monitor.round()
-            clock[0] += replication.ROUND_SECONDS
-        assert len(copies) == 1 and (entry.st_ino, 0) in monitor.retry_at
-        clock[0] += replication.RETRY_SECONDS
-        for _ in range(20):  # the retry, then ten seconds more
-            await monitor.round()
-            clock[0] += replication.ROUND_SECONDS
-        assert len(copies) == 1  # no copy from a replica known to be bad
-        assert not monitor.pending and not monitor.ready and not monitor.retry_at
+        await rounds(monitor, 30)  # six retries' worth
+        assert len(copies) == 1  # before: one per round, 60
+        assert (entry.st_ino, 0) in monitor.pending  # fsck reports it meanwhile
+        assert len(ns.get_blocks(entry.st_ino)[0].volumes) == 1
+
+        # A rewrite makes the replica good under a new stamp; the old finding is stale.
+        fi = await ops.open(entry.st_ino, os.O_WRONLY, Ctx())
+        await ops.write(fi.fh, 0, b"b" * 10_000)
+        await ops.release(fi.fh)
+        await rounds(monitor, replication.RETRY_SECONDS + 1)
+        assert len(copies) == 2 and not monitor.pending
+        assert len(ns.get_blocks(entry.st_ino)[0].volumes) == 2
         return entry.st_ino
 
     data = new_filesystem(tmp_path, [(StorageType.DISK, "d1", None),
                                      (StorageType.DISK, "d2", None)], **DISK_64K)
-    with prepared(data, check=False) as (ops, blockio, ns):
-        ino = trio.run(scenario, ops)
+    with prepared(data) as (ops, blockio, ns):  # fsck: healthy once repaired
+        ino = trio.run(scenario, ops, ns)
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "no good replica left" in errors[0], errors
-    assert f"of inode {ino} " in errors[0]
-    report = Fsck(data).check()
-    assert not report.healthy  # the corrupt block stays, for fsck to report
+    assert f"of inode {ino}" in errors[0]
+
+
+def test_a_finding_about_a_block_is_forgotten_when_the_block_is_rewritten(tmp_path,
+                                                                         monkeypatch):
+    """A copy from the only replica of a file truncated and rewritten meanwhile: a new
+    block (new id) under the same index. The old finding used to count against the new
+    block: with one replica it was given up, with two the good one was deleted."""
+    import glob
+    from tierfs.fs import replication
+    from tierfs.fs.policy_xattrs import REPLICATION
+    clock = [replication.time.monotonic()]
+    monkeypatch.setattr(replication.time, "monotonic", lambda: clock[0])
+
+    async def scenario(ops, ns):
+        monitor = ops.replication
+        fi, entry = await ops.create(ROOT_INO, b"f", 0o644, os.O_RDWR, Ctx())
+        await ops.write(fi.fh, 0, b"a" * 10_000)
+        await ops.release(fi.fh)
+        [block] = [p for p in glob.glob(f"{data}/d*/**/blk_*", recursive=True)
+                   if not p.endswith(".meta")]
+        with open(block, "r+b") as f:
+            f.seek(100)
+            f.write(b"Z")
+        await ops.setxattr(entry.st_ino, REPLICATION, b"2", Ctx())
+        monitor.note(entry.st_ino, 0)
+        await monitor.round()  # the copy fails its checksum
+        fi = await ops.open(entry.st_ino, os.O_WRONLY | os.O_TRUNC, Ctx())
+        await ops.write(fi.fh, 0, b"c" * 10_000)  # a new block, placed on both volumes
+        await ops.release(fi.fh)
+        new = ns.get_blocks(entry.st_ino)[0]
+        assert len(new.volumes) == 2
+        monitor.note(entry.st_ino, 0)
+        clock[0] += replication.RETRY_SECONDS + 1
+        await monitor.round()
+        assert ns.get_blocks(entry.st_ino)[0].volumes == new.volumes  # none dropped
+        assert not monitor.pending
+
+    data = new_filesystem(tmp_path, [(StorageType.DISK, "d1", None),
+                                     (StorageType.DISK, "d2", None)], **DISK_64K)
+    with prepared(data) as (ops, blockio, ns):
+        trio.run(scenario, ops, ns)
+
+
+def test_a_passing_read_error_on_the_only_replica_does_not_stop_its_copy(tmp_path):
+    """A read that met a one-off EIO reports the replica bad. With no other replica it
+    is kept, and the verified copy (which reads it whole) decides: here it succeeds."""
+    import errno as errnos
+    from tierfs.backends.replica import Replica
+    from tierfs.fs.errors import FsError
+    from tierfs.fs.policy_xattrs import REPLICATION
+    real_read = Replica.read
+    failures = [1]
+
+    def flaky_read(self, *args, **kwargs):
+        if failures[0]:
+            failures[0] -= 1
+            raise FsError(errnos.EIO, "injected passing read error")
+        return real_read(self, *args, **kwargs)
+
+    async def scenario(ops, ns):
+        fi, entry = await ops.create(ROOT_INO, b"f", 0o644, os.O_RDWR, Ctx())
+        await ops.write(fi.fh, 0, b"a" * 10_000)
+        await ops.release(fi.fh)
+        await ops.setxattr(entry.st_ino, REPLICATION, b"2", Ctx())
+        Replica.read = flaky_read
+        try:
+            fi = await ops.open(entry.st_ino, os.O_RDONLY, Ctx())
+            with pytest.raises(pyfuse3.FUSEError):
+                await ops.read(fi.fh, 0, 10_000)
+            await ops.release(fi.fh)
+        finally:
+            Replica.read = real_read
+        ops.replication.note(entry.st_ino, 0)
+        assert await ops.replication.round() == 1
+        assert len(ns.get_blocks(entry.st_ino)[0].volumes) == 2
+
+    data = new_filesystem(tmp_path, [(StorageType.DISK, "d1", None),
+                                     (StorageType.DISK, "d2", None)], **DISK_64K)
+    with prepared(data) as (ops, blockio, ns):
+        trio.run(scenario, ops, ns)
+
+
+def test_a_missing_source_replica_is_blamed_not_the_copy_target(tmp_path):
+    """Replicas on d1 (its data file gone) and d2; replication raised to 3. The copy from
+    d1 failed and d3, the target, was avoided as if it had failed: the block was never
+    repaired. Now d1's replica is dropped and the copies come from d2."""
+    import glob
+    from tierfs.fs.policy_xattrs import REPLICATION
+
+    async def scenario(ops, ns):
+        monitor = ops.replication
+        fi, entry = await ops.create(ROOT_INO, b"f", 0o644, os.O_RDWR, Ctx())
+        await ops.write(fi.fh, 0, b"a" * 10_000)
+        await ops.release(fi.fh)
+        first = min(ns.get_blocks(entry.st_ino)[0].volumes)
+        [block] = [p for p in glob.glob(f"{data}/d{first}/**/blk_*", recursive=True)
+                   if not p.endswith(".meta")]
+        os.unlink(block)
+        await ops.setxattr(entry.st_ino, REPLICATION, b"3", Ctx())
+        monitor.note(entry.st_ino, 0)
+        await monitor.round()  # the copy from d1 fails on its source
+        assert not monitor.avoid
+        monitor.note(entry.st_ino, 0)
+        await monitor.round()
+        assert sorted(ns.get_blocks(entry.st_ino)[0].volumes) == [1, 2, 3]
+        assert not monitor.pending
+
+    data = new_filesystem(tmp_path, [(StorageType.DISK, f"d{i}", None) for i in (1, 2, 3)],
+                          replication=2, **DISK_64K)
+    with prepared(data) as (ops, blockio, ns):
+        trio.run(scenario, ops, ns)
 
 
 def test_a_block_noted_again_during_its_repair_is_not_forgotten(tmp_path):
