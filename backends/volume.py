@@ -43,11 +43,12 @@ from tierfs.fs.errors import ChecksumError, VolumeError
 _libc = ctypes.CDLL(None, use_errno=True)
 
 IDENTITY_FILE = "VERSION"
+"""JSON: ``{"layout_version": 1, "fs_uuid", "volume_uuid", "volume_id", "storage_type"}``."""
+
 #: What an "empty" directory may hold: mkfs.ext4 makes lost+found at the root of every
 #: filesystem, and a volume (or DATA) at the root of a freshly made disk is the usual case.
 #: Nothing of tierfs's looks inside it, and nothing of tierfs's deletes it.
 FOREIGN_BUT_EMPTY = frozenset({"lost+found"})
-"""JSON: ``{"layout_version": 1, "fs_uuid", "volume_uuid", "volume_id", "storage_type"}``."""
 
 LAYOUT_VERSION = 1
 
@@ -488,13 +489,21 @@ class Volume:
 # ---------------------------------------------------------------------- module helpers
 
 
+def check_volume_dir(path: Path) -> bool:
+    """Whether a new volume may be made at ``path``: it is missing (False), or an empty
+    directory (True); else VolumeError."""
+    if not (path.exists() or path.is_symlink()):
+        return False
+    if not path.is_dir():
+        raise VolumeError(f"volume directory {path} is not a directory", errno.ENOTDIR)
+    if any(p.name not in FOREIGN_BUT_EMPTY for p in path.iterdir()):
+        raise VolumeError(f"volume directory {path} is not empty", errno.ENOTEMPTY)
+    return True
+
+
 def _prepare_empty_dir(path: Path) -> bool:
     """Make sure ``path`` is an empty directory; return True if it had to be created."""
-    if path.exists() or path.is_symlink():
-        if not path.is_dir():
-            raise VolumeError(f"volume directory {path} is not a directory", errno.ENOTDIR)
-        if any(p.name not in FOREIGN_BUT_EMPTY for p in path.iterdir()):
-            raise VolumeError(f"volume directory {path} is not empty", errno.ENOTEMPTY)
+    if check_volume_dir(path):
         return False
     path.mkdir(parents=True)
     return True

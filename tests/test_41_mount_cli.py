@@ -458,19 +458,25 @@ def test_a_mount_point_overlapping_data_or_a_volume_is_refused(tmp_path):
     assert_remount_is_clean(data, mnt)
 
 
-@pytest.mark.parametrize("refusal", ["mount point is DATA", "fsname"])
+@pytest.mark.parametrize("refusal", ["mount point is DATA", "fsname", "volume not empty"])
 def test_a_refused_background_mount_of_a_new_data_directory_writes_nothing(tmp_path, refusal):
     """The background daemon opens its log in DATA before prepare() runs; a refusal that
     only prepare() made left DATA/tierfs.log behind (in a mount point, for one)."""
-    data = tmp_path / "data"
+    data, mnt = tmp_path / "data", tmp_path / "mnt"
     data.mkdir()
+    mnt.mkdir()
+    if refusal == "volume not empty":  # the default layout's ssd/ holds someone's file
+        (data / "ssd").mkdir()
+        (data / "ssd" / "someone's").write_text("x")
+    before = sorted(p.name for p in data.rglob("*"))
     if refusal == "mount point is DATA":
         r = mount_cmd(data, data)
+    elif refusal == "fsname":
+        r = mount_cmd(data, mnt, "-o", "fsname=x")
     else:
-        (tmp_path / "mnt").mkdir()
-        r = mount_cmd(data, tmp_path / "mnt", "-o", "fsname=x")
+        r = mount_cmd(data, mnt)
     assert_one_line_error(r, 1, prefix="mount.tierfs: ")
-    assert list(data.iterdir()) == []
+    assert sorted(p.name for p in data.rglob("*")) == before
 
 
 def test_a_data_directory_at_the_root_of_a_fresh_disk_is_taken(tmp_path):

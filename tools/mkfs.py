@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierfs.backends.storage_types import StorageType
-from tierfs.backends.volume import FOREIGN_BUT_EMPTY, Volume
+from tierfs.backends.volume import FOREIGN_BUT_EMPTY, Volume, check_volume_dir
 from tierfs.fs.errors import FsError, UsageError
 from tierfs.fs.inherited import RenameMode
 from tierfs.fs.namespace import FsConfig, Namespace, VolumeConfig
@@ -77,8 +77,11 @@ def is_filesystem(data_dir: Path) -> bool:
 def check_empty(data_dir: Path, volumes: list[VolumeSpec]) -> None:
     """Refuse a DATA holding anything but the volume directories to be and the daemon's
     log: a filesystem mixed into someone's files would let a later ``rm -r DATA`` (or the
-    user) take one for the other. The volume directories themselves must be empty, which
-    ``Volume.format`` checks with its own message. Same words as mount.tierfs."""
+    user) take one for the other. The volume directories themselves must be missing or
+    empty (``Volume.format``'s rule, checked here too so that mount.tierfs refuses before
+    it writes its log). Same words as mount.tierfs."""
+    for spec in volumes:
+        check_volume_dir(Path(spec.path))
     if not data_dir.is_dir():
         return
     volume_paths = {os.path.realpath(v.path) for v in volumes}
