@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from pathlib import Path
 
 import pyfuse3
@@ -307,14 +308,21 @@ def shutdown(ops: Operations, blockio: BlockIO, ns: Namespace) -> None:
     log.error("unmounted uncleanly: the next mount recovers what was left open")
 
 
-async def serve(ops: Operations, blockio: BlockIO, ns: Namespace, mountpoint: str) -> None:
+async def serve(ops: Operations, blockio: BlockIO, ns: Namespace, mountpoint: str, *,
+                read_only: bool = False) -> None:
+    """Serve requests until unmounted. On a read-only mount the replication monitor does
+    not run: it would drop and copy replicas, and whoever mounts suspect storage ``ro``
+    expects its volumes left as they are (reads still fail over to a good replica)."""
     async with trio.open_nursery() as nursery:
         ops.nursery = nursery
         nursery.start_soon(_tick, blockio, ns)
         nursery.start_soon(_settle_unsynced, blockio)
         nursery.start_soon(_signals, mountpoint)
         nursery.start_soon(_tune_after_init, ops, mountpoint)
-        nursery.start_soon(ops.replication.run)
+        if read_only:
+            log.info("read-only mount: bad or missing replicas are not repaired")
+        else:
+            nursery.start_soon(ops.replication.run)
         fuseloop.install()
         await pyfuse3.main()
         nursery.cancel_scope.cancel()
@@ -455,7 +463,8 @@ def run(args, ready_fd: int | None) -> int:
         device = mount_device(args.mountpoint)
         aborted = False
         try:
-            trio.run(serve, ops, blockio, ns, args.mountpoint)
+            trio.run(partial(serve, read_only="ro" in user_options(args.options)),
+                     ops, blockio, ns, args.mountpoint)
         except* ConnectionAbortedError:
             # After an abort /dev/fuse answers ENODEV, which libfuse takes for the end of
             # the session, or ECONNABORTED when the session asked for that at FUSE_INIT

@@ -31,8 +31,8 @@ def storable_time_ns(value: int) -> int:
 @dataclass(frozen=True)
 class AtimeRule:
     """When a read moves atime: relatime, or never on a mount with ``ro`` or ``noatime``.
-    The kernel applies neither flag to a FUSE inode, so they are the daemon's to keep (a
-    read-only mount must not write). libfuse accepts no other atime option."""
+    The kernel applies neither flag to a FUSE inode, so they are the daemon's to keep.
+    libfuse accepts no other atime option."""
 
     moves: bool = True
 

@@ -292,6 +292,36 @@ def test_bad_replica_is_read_around_and_replaced(make_fs, tmp_path, damage, repl
     finish(mount)
 
 
+def test_a_read_only_mount_reads_around_a_bad_replica_and_leaves_it(make_fs, tmp_path):
+    """On ``-o ro`` reads still fail over to a good replica, but nothing on the volumes
+    changes: the monitor, which would drop the bad replica and copy a new one, does not
+    run (before: the replica was replaced on a mount nobody was to write to)."""
+    mount = make_fs(2)
+    content = pattern(3, 2 * BLOCK)
+    write_file(mount.mountpoint / "f", content)
+    blocks = wait_for_full_replication(mount, "/f", content, 2, 2)
+    mount.stop()
+    victim = blocks[0]
+    bad_vol = min(victim["volumes"], key=lambda v: v.name)
+    _flip_data(bad_vol, victim["id"], victim["gs"])
+    damaged = data_file(bad_vol, victim["id"]).read_bytes()
+
+    ro = Mount(mount.data, mount.mountpoint, "allow_other,ro").start()
+    try:
+        assert direct_read(ro.mountpoint / "f") == content
+        time.sleep(2.0)  # four rounds of a monitor, were one running
+        assert direct_read(ro.mountpoint / "f") == content
+    finally:
+        ro.stop()
+    assert data_file(bad_vol, victim["id"]).read_bytes() == damaged
+    def replicas(listing):
+        return [(b["id"], b["gs"], b["volumes"]) for b in listing]
+    assert replicas(blocks_of(mount.data, "/f")) == replicas(blocks)
+    assert "read-only mount: bad or missing replicas are not repaired" in ro.log_text()
+    code, out = fsck(mount.data)
+    assert code == 1 and problem_kinds(out) == ["CORRUPT_REPLICA"], out
+
+
 def test_all_replicas_bad_gives_eio_and_keeps_them(make_fs, tmp_path):
     mount = make_fs(2)
     content = pattern(2, 3 * BLOCK)
