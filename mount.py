@@ -87,7 +87,8 @@ def user_options(groups: list[str]) -> set[str]:
 
 
 def fuse_options(data: Path, groups: list[str]) -> set[str]:
-    options = set(pyfuse3.default_options) | {f"fsname={data}", "subtype=tierfs"}
+    options = set(pyfuse3.default_options) | {f"fsname={mountinfo.fsname(data)}",
+                                              "subtype=tierfs"}
     options |= user_options(groups)
     options.discard("rw")
     options.discard("defaults")
@@ -152,7 +153,7 @@ def refuse_stacking(mnt: Path) -> None:
     ``tierfs umount`` would only ever reach the top one."""
     found = mountinfo.mount_at(str(mnt))
     if found is not None and found.fstype == mountinfo.FSTYPE:
-        raise MountError(f"{mnt} is already the mount point of tierfs {found.source}: "
+        raise MountError(f"{mnt} is already the mount point of tierfs {found.data_dir}: "
                          f"unmount it first")
 
 

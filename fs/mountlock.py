@@ -34,7 +34,7 @@ class MountLock:
             where = f" (pid {holder[0]} on {holder[1]})" if holder else ""
             raise FsError(errno.EBUSY, f"{self.data_dir} is already mounted{where}") from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n{mountpoint}\n".encode(), 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode() + os.fsencode(mountpoint) + b"\n", 0)
         self._fd = fd
 
     def release(self) -> None:
@@ -53,7 +53,7 @@ class MountLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
-                lines = os.pread(fd, 4096, 0).decode(errors="replace").splitlines()
+                lines = os.fsdecode(os.pread(fd, 4096, 0)).splitlines()
                 if len(lines) >= 2 and lines[0].isdigit():
                     return int(lines[0]), lines[1]
                 return 0, "?"

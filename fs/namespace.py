@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import stat
 import time
 import uuid as uuidlib
@@ -116,7 +117,9 @@ class Namespace:
         data = path / "data.mdb"
         if data.exists():
             size = max(size, data.stat().st_size * 2)
-        return lmdb.open(str(path), map_size=size, max_dbs=len(schema.DATABASES) + 2,
+        # As bytes: py-lmdb encodes a str path as strict UTF-8, which a name that is
+        # not valid UTF-8 (surrogate-escaped by Python) cannot be.
+        return lmdb.open(os.fsencode(path), map_size=size, max_dbs=len(schema.DATABASES) + 2,
                          subdir=True, readonly=readonly, sync=False, metasync=False,
                          readahead=False, max_readers=256, lock=True)
 

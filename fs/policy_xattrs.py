@@ -22,6 +22,7 @@ Read-only names are not listed, and writing or removing them gives EPERM.
 from __future__ import annotations
 
 import errno
+import os
 import stat
 import time
 from collections import Counter
@@ -65,7 +66,7 @@ class PolicyXattrs:
         if name == REPLICATION:
             return str(self.resolver.replication(ino)).encode()
         if name == SOURCE:
-            return self._source(ino).encode()
+            return os.fsencode(self._source(ino))  # directory names need not be UTF-8
         if name == PLACEMENT:
             return self._placement(ino).encode()
         if name == SATISFIED:

@@ -27,7 +27,8 @@ MOUNT_TIERFS = str(BIN / "mount.tierfs")
 
 def run_tool(*args: str, check: bool = True, **kwargs) -> subprocess.CompletedProcess:
     """Run ``tierfs ARGS``; with check, a non-zero exit fails the test with its output."""
-    result = subprocess.run([TIERFS, *args], capture_output=True, text=True, **kwargs)
+    result = subprocess.run([TIERFS, *args], capture_output=True, text=True,
+                            errors="surrogateescape", **kwargs)  # paths are bytes
     if check and result.returncode != 0:
         pytest.fail(f"tierfs {' '.join(args)} exited {result.returncode}:\n"
                     f"{result.stdout}\n{result.stderr}")

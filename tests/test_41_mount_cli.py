@@ -749,6 +749,43 @@ def test_no_traceback_from_tools_on_odd_input(tmp_path):
         assert 1 <= len(r.stderr.splitlines()) <= 3, (cmd, r.stderr)
 
 
+def test_a_tool_whose_output_pipe_closes_stops_quietly(tmp_path):
+    """``tierfs report DATA | head -1``: the tool used to end with "Broken pipe" on
+    stderr and exit 1, as if it had failed. fsck keeps its verdict as exit code."""
+    data = tmp_path / "data"
+    mkfs(data)
+    for cmd, code in (["report", 141], ["fsck", 0]):
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        proc = subprocess.run([TIERFS, cmd, str(data)], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, timeout=60)
+        os.close(write_end)
+        assert (proc.returncode, proc.stderr) == (code, ""), cmd
+
+
+@pytest.mark.parametrize("name", ["données", "not-utf8-\udcff", "a,b", "back\\slash 50%"])
+def test_data_and_mount_point_names_beyond_ascii(tmp_path, name):
+    """pyfuse3 passes mount options as ASCII and libfuse splits them at commas: a DATA
+    named "données" made the daemon die at the mount ("daemon died", a traceback in its
+    log). The fsname now percent-encodes what libfuse cannot take, and the tools decode
+    it: report and umount find DATA from the mount point."""
+    data = tmp_path / name
+    mnt = tmp_path / f"mnt-{name}"
+    mnt.mkdir()
+    r = mount_cmd(data, mnt)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    try:
+        (mnt / "f").write_bytes(b"kept")
+        report = subprocess.run([TIERFS, "report", str(mnt)], capture_output=True,
+                                timeout=60)
+        assert report.returncode == 0, report.stderr
+        assert report.stdout.startswith(b"tierfs report of " + os.fsencode(data) + b":")
+    finally:
+        r = run([TIERFS, "umount", str(mnt)])
+    assert r.returncode == 0, r.stderr
+    assert_remount_is_clean(data, mnt, {"f": b"kept"})
+
+
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
 def test_signal_while_the_mount_is_in_use_for_reading(make_mount, how):
     """A process with its cwd in the mount and a file open for reading does not stop the

@@ -163,6 +163,19 @@ def test_set_and_get_on_directories_and_files_inherit_down_the_tree(mounted):
     assert "user.tierfs" not in dump(mnt, "a/b/c")
 
 
+def test_policy_source_names_a_directory_whose_name_is_not_utf8(mounted):
+    """Names are bytes; policy_source, which names the deciding directory, answered EIO
+    (and logged a bug) for one that is not valid UTF-8."""
+    mnt = mounted.mountpoint
+    odd = os.fsencode(mnt) + b"/caf\xe9"
+    os.mkdir(odd)
+    os.setxattr(odd, POLICY, b"COLD")
+    with open(odd + b"/f", "wb"):
+        pass
+    assert os.getxattr(odd + b"/f", SOURCE).startswith(b"storage_policy: /caf\xe9 txid ")
+    assert get(odd + b"/f") == "COLD"
+
+
 def test_a_later_set_on_an_ancestor_overrides_an_earlier_set_below(mounted):
     """The seed's example: HOT on /a/b, then ALL_SSD on /a: /a/b/c is ALL_SSD (HDFS would
     keep HOT)."""

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -214,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     except (FsError, VolumeError) as exc:
         print(f"tierfs {args.command}: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # The reader went away (``| head``): stop quietly with the status a tool killed
+        # by SIGPIPE has, and keep Python from reporting the flush at exit as well.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"tierfs {args.command}: {where}{exc.strerror or exc}", file=sys.stderr)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import re
+import string
 from dataclasses import dataclass
+from urllib.parse import quote, unquote_to_bytes
 
 FSTYPE = "fuse.tierfs"
 
@@ -20,7 +22,25 @@ class MountEntry:
     device: str       # "major:minor", as st_dev of every file on it
     mount_point: str
     fstype: str
-    source: str       # for tierfs: the data directory (fsname)
+    source: str       # for tierfs: the data directory, as ``fsname`` wrote it
+
+    @property
+    def data_dir(self) -> str:
+        """A tierfs mount's data directory (``fsname`` undone)."""
+        return os.fsdecode(unquote_to_bytes(self.source))
+
+
+#: What an fsname may hold as it is: printable ASCII but the comma (libfuse splits the
+#: options at it), the backslash (libfuse's escape) and "%" (this encoding's).
+_FSNAME_SAFE = "".join(c for c in string.printable
+                       if c not in ",\\%" and (c == " " or not c.isspace()))
+
+
+def fsname(data_dir) -> str:
+    """The fsname tierfs mounts ``data_dir`` with: the path itself, with anything libfuse
+    cannot take percent-encoded (pyfuse3 passes options as ASCII; a path in another
+    script, or not valid UTF-8 at all, is still a path)."""
+    return quote(os.fsencode(data_dir), safe=_FSNAME_SAFE)
 
 
 _ESCAPE = re.compile(r"\\([0-7]{3})")
@@ -34,7 +54,8 @@ def _unescape(field: str) -> str:
 def mounts() -> list[MountEntry]:
     entries = []
     try:
-        with open("/proc/self/mountinfo") as f:
+        # surrogateescape: any mount's path may be bytes that are not UTF-8
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
             lines = f.read().splitlines()
     except OSError:
         return entries

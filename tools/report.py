@@ -157,7 +157,7 @@ def find_data_dir(target: str) -> tuple[Path, str | None]:
 
 
 def _mounted_data(target: str, entry: MountEntry) -> Path:
-    data = Path(entry.source)
+    data = Path(entry.data_dir)
     if not is_filesystem(data):
         raise ReportError(f"{target} is a tierfs mount, but its data directory {data} "
                           f"holds no tierfs filesystem (not visible from here?)")

@@ -20,7 +20,7 @@ def unmount(mountpoint: Path, timeout: float = 120.0) -> None:
         raise FsError(errno.EINVAL, f"{mountpoint} is not mounted")
     if found.fstype != FSTYPE:
         raise FsError(errno.EINVAL, f"{mountpoint} is not a tierfs mount ({found.fstype})")
-    source = found.source
+    source = found.data_dir
     # The mount point as mounted: fusermount3 refuses a symlink to it (EINVAL).
     result = subprocess.run(["fusermount3", "-u", found.mount_point], capture_output=True,
                             text=True)
