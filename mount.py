@@ -497,9 +497,10 @@ def daemonize(args) -> int:
     if os.fork() > 0:
         os._exit(0)
     devnull = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1):
+    for fd in (0, 1, 2):
         os.dup2(devnull, fd)
-    os.dup2(devnull, 2)
+    if devnull > 2:
+        os.close(devnull)
     log_path = args.log or os.path.join(args.data, mkfs.DAEMON_LOG)
     if may_mount(args):  # else run() fails, through the pipe, without leaving a log behind
         try:
@@ -567,7 +568,8 @@ def open_standard_fds() -> None:
                 os.close(null)
     for name, fd in (("stdout", 1), ("stderr", 2)):
         if getattr(sys, name) is None:
-            setattr(sys, name, open(fd, "w", closefd=False, errors="backslashreplace"))
+            setattr(sys, name, open(fd, "w", closefd=False, errors="backslashreplace",
+                                    line_buffering=True))
 
 
 def main(argv: list[str] | None = None) -> int:

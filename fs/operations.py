@@ -316,9 +316,10 @@ class Operations(pyfuse3.Operations):
 
     def _read_moves_atime(self, inode: Inode) -> None:
         """The mount's atime rule for a directory listed or a symlink read
-        (``fs/times.py``). Stored at once, and the kernel told to ask for the attributes again before the reply goes out
-        (only the attributes: nothing to wait for); a namespace that cannot store it (full
-        disk) leaves atime as it was rather than failing the read."""
+        (``fs/times.py``). Stored at once, and the kernel told to ask for the attributes
+        again before the reply goes out (only the attributes: nothing to wait for); a
+        namespace that cannot store it (full disk) leaves atime as it was rather than
+        failing the read."""
         now = time.time_ns()
         if not self.blockio.atime_rule.due(inode.atime_ns, inode.mtime_ns, inode.ctime_ns,
                                            now):
