@@ -325,6 +325,24 @@ def test_blocks_backing_off_cost_a_replication_round_nothing(tmp_path, monkeypat
         assert sorted(tried) == [(ino, 0) for ino in range(1000, 6000)]
 
 
+async def _corrupt_only_replica_wanting_two(ops, data):
+    """A 10,000-byte file whose one replica has a flipped byte, its replication raised to
+    2, and its block noted for the monitor; returns the file's entry."""
+    import glob
+    from tierfs.fs.policy_xattrs import REPLICATION
+    fi, entry = await ops.create(ROOT_INO, b"f", 0o644, os.O_RDWR, Ctx())
+    await ops.write(fi.fh, 0, b"a" * 10_000)
+    await ops.release(fi.fh)
+    [block] = [p for p in glob.glob(f"{data}/d*/**/blk_*", recursive=True)
+               if not p.endswith(".meta")]
+    with open(block, "r+b") as f:
+        f.seek(100)
+        f.write(b"Z")
+    await ops.setxattr(entry.st_ino, REPLICATION, b"2", Ctx())
+    ops.replication.note(entry.st_ino, 0)
+    return entry
+
+
 def test_a_block_whose_only_replica_is_corrupt_is_not_read_again_until_rewritten(
         tmp_path, monkeypatch, caplog):
     """Replication 2, and the one replica turns out corrupt when the monitor copies it.
@@ -332,9 +350,7 @@ def test_a_block_whose_only_replica_is_corrupt_is_not_read_again_until_rewritten
     read the whole block again and logged "no good replica left". Now the finding is
     kept with the block's stamp: retries read nothing and log nothing more, until a
     rewrite gives the block a new stamp, and then the copy is made."""
-    import glob
     from tierfs.fs import replication
-    from tierfs.fs.policy_xattrs import REPLICATION
     copies = []
     real_copy = replication.copy_replica
 
@@ -353,16 +369,7 @@ def test_a_block_whose_only_replica_is_corrupt_is_not_read_again_until_rewritten
 
     async def scenario(ops, ns):
         monitor = ops.replication
-        fi, entry = await ops.create(ROOT_INO, b"f", 0o644, os.O_RDWR, Ctx())
-        await ops.write(fi.fh, 0, b"a" * 10_000)
-        await ops.release(fi.fh)
-        [block] = [p for p in glob.glob(f"{data}/d*/**/blk_*", recursive=True)
-                   if not p.endswith(".meta")]
-        with open(block, "r+b") as f:
-            f.seek(100)
-            f.write(b"Z")
-        await ops.setxattr(entry.st_ino, REPLICATION, b"2", Ctx())
-        monitor.note(entry.st_ino, 0)
+        entry = await _corrupt_only_replica_wanting_two(ops, data)
         await rounds(monitor, 30)  # six retries' worth
         assert len(copies) == 1  # before: one per round, 60
         assert (entry.st_ino, 0) in monitor.pending  # fsck reports it meanwhile
@@ -391,24 +398,13 @@ def test_a_finding_about_a_block_is_forgotten_when_the_block_is_rewritten(tmp_pa
     """A copy from the only replica of a file truncated and rewritten meanwhile: a new
     block (new id) under the same index. The old finding used to count against the new
     block: with one replica it was given up, with two the good one was deleted."""
-    import glob
     from tierfs.fs import replication
-    from tierfs.fs.policy_xattrs import REPLICATION
     clock = [replication.time.monotonic()]
     monkeypatch.setattr(replication.time, "monotonic", lambda: clock[0])
 
     async def scenario(ops, ns):
         monitor = ops.replication
-        fi, entry = await ops.create(ROOT_INO, b"f", 0o644, os.O_RDWR, Ctx())
-        await ops.write(fi.fh, 0, b"a" * 10_000)
-        await ops.release(fi.fh)
-        [block] = [p for p in glob.glob(f"{data}/d*/**/blk_*", recursive=True)
-                   if not p.endswith(".meta")]
-        with open(block, "r+b") as f:
-            f.seek(100)
-            f.write(b"Z")
-        await ops.setxattr(entry.st_ino, REPLICATION, b"2", Ctx())
-        monitor.note(entry.st_ino, 0)
+        entry = await _corrupt_only_replica_wanting_two(ops, data)
         await monitor.round()  # the copy fails its checksum
         fi = await ops.open(entry.st_ino, os.O_WRONLY | os.O_TRUNC, Ctx())
         await ops.write(fi.fh, 0, b"c" * 10_000)  # a new block, placed on both volumes
