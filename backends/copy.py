@@ -16,7 +16,7 @@ import uuid
 from contextlib import contextmanager
 
 from tierfs.backends.volume import Volume
-from tierfs.fs.errors import ChecksumError, FsError, VolumeError
+from tierfs.fs.errors import OUT_OF_DESCRIPTORS, ChecksumError, FsError, VolumeError
 
 COPY_CHUNK = 1 << 20
 
@@ -35,9 +35,13 @@ class SourceReplicaError(FsError):
 
 @contextmanager
 def _source_side(source: Volume, block_id: int, gs: int):
+    """Errors reading the source become SourceReplicaError, except running out of
+    descriptors, which says nothing about the replica (nor about the target)."""
     try:
         yield
     except (FsError, OSError) as exc:
+        if exc.errno in OUT_OF_DESCRIPTORS:
+            raise
         raise SourceReplicaError(source, block_id, gs, exc) from exc
 
 

@@ -67,7 +67,7 @@ from tierfs.backends.meta import (
     unpack_crc,
     zero_chunk_crc,
 )
-from tierfs.fs.errors import ChecksumError, FsError, VolumeError
+from tierfs.fs.errors import OUT_OF_DESCRIPTORS, ChecksumError, FsError, VolumeError
 
 if TYPE_CHECKING:
     from tierfs.backends.volume import Volume
@@ -721,7 +721,7 @@ def _open_direct(fd: int) -> int | None:
     try:
         return os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
     except OSError as e:
-        return None if e.errno in (errno.EMFILE, errno.ENFILE) else -1
+        return None if e.errno in OUT_OF_DESCRIPTORS else -1
 
 
 def _start_writeback(fd: int, offset: int, nbytes: int) -> None:

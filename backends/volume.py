@@ -38,7 +38,7 @@ from pathlib import Path
 from tierfs.backends.meta import HEADER_SIZE, header_bytes, parse_header
 from tierfs.backends.replica import Replica, _BlockState
 from tierfs.backends.storage_types import StorageType
-from tierfs.fs.errors import ChecksumError, VolumeError
+from tierfs.fs.errors import OUT_OF_DESCRIPTORS, ChecksumError, VolumeError
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -668,6 +668,6 @@ def _errno(e: OSError) -> int:
     caller must not count it against them); everything else is EIO."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         return errno.ENOSPC
-    if e.errno in (errno.EMFILE, errno.ENFILE):
+    if e.errno in OUT_OF_DESCRIPTORS:
         return e.errno
     return errno.EIO

@@ -40,7 +40,7 @@ import trio
 from tierfs.backends.replica import Replica
 from tierfs.backends.volume import Volume
 from tierfs.backends.volume_set import VolumeSet
-from tierfs.fs.errors import FsError
+from tierfs.fs.errors import OUT_OF_DESCRIPTORS, FsError
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.schema import BlockRecord, Inode
 from tierfs.fs.times import AtimeRule
@@ -52,8 +52,6 @@ log = logging.getLogger(__name__)
 # handle would otherwise run the daemon out of descriptors (seen with 1 KiB blocks: a
 # 12 MiB file held 24,000).
 OPEN_BLOCKS_PER_FILE = 64
-
-OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
 
 # Files no longer open whose blocks written since their last fsync are remembered, so that
 # a later open + fsync syncs them. Beyond this many, a task of the mount syncs every

@@ -11,6 +11,11 @@ import errno
 import os
 
 
+#: The daemon is out of descriptors: nothing is wrong with the file it was opening, and
+#: the request fails with that errno rather than blaming a replica or a volume.
+OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
+
+
 class FsError(Exception):
     """A failure with an errno, safe to report to a user.
 

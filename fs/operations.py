@@ -30,7 +30,7 @@ import pyfuse3
 import trio
 
 from tierfs.fs.blockio import BlockIO, OpenFile
-from tierfs.fs.errors import FsError
+from tierfs.fs.errors import OUT_OF_DESCRIPTORS, FsError
 from tierfs.fs.namespace import NAME_MAX, Namespace
 from tierfs.fs.policy_xattrs import PolicyXattrs, is_policy_xattr
 from tierfs.fs.schema import ROOT_INO, Inode
@@ -58,7 +58,7 @@ def handler(fn):
         except pyfuse3.FUSEError:
             raise
         except FsError as exc:
-            if exc.errno in (errno.EIO, errno.ENOSPC, errno.EMFILE, errno.ENFILE):
+            if exc.errno in (errno.EIO, errno.ENOSPC, *OUT_OF_DESCRIPTORS):
                 log.warning("%s: %s", fn.__name__, exc)
             raise pyfuse3.FUSEError(exc.errno) from None
         except Exception:

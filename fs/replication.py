@@ -33,7 +33,7 @@ import trio
 from tierfs.backends.copy import SourceReplicaError, copy_error, copy_replica
 from tierfs.backends.volume_set import VolumeSet
 from tierfs.fs.blockio import BlockIO
-from tierfs.fs.errors import FsError
+from tierfs.fs.errors import OUT_OF_DESCRIPTORS, FsError
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.placement import choose_volumes
 from tierfs.fs.resolver import Resolver
@@ -43,6 +43,9 @@ log = logging.getLogger(__name__)
 
 ROUND_SECONDS = 0.5
 RETRY_SECONDS = 5.0
+# A block that keeps failing waits twice as long each time, up to this: a replica that
+# answers EIO on every read must not be read whole every few seconds forever.
+MAX_RETRY_SECONDS = 300.0
 BATCH = 256
 YIELD_EVERY = 64
 
@@ -85,6 +88,7 @@ class ReplicationMonitor:
         self.pending: set[tuple[int, int]] = set()
         self.ready: set[tuple[int, int]] = set()
         self.retry_at: dict[tuple[int, int], float] = {}
+        self.attempts: dict[tuple[int, int], int] = {}  # failed tries in a row
         self.waiting: list[tuple[float, tuple[int, int]]] = []  # heap; stale entries skipped
         self.bad: dict[tuple[int, int], dict[int, BadReplica]] = {}
         self.failures: dict[tuple[int, int], str] = {}
@@ -103,7 +107,9 @@ class ReplicationMonitor:
         self.retry_at.pop((ino, index), None)
 
     def _back_off(self, key: tuple[int, int]) -> None:
-        due = time.monotonic() + RETRY_SECONDS
+        attempts = self.attempts.get(key, 0)
+        self.attempts[key] = attempts + 1
+        due = time.monotonic() + min(RETRY_SECONDS * 2 ** min(attempts, 16), MAX_RETRY_SECONDS)
         self.retry_at[key] = due
         heapq.heappush(self.waiting, (due, key))
 
@@ -117,11 +123,14 @@ class ReplicationMonitor:
                 self.ready.add(key)
 
     def report_bad(self, ino: int, index: int, volume_id: int, reason: str) -> None:
-        """A read found this replica bad (``BlockIO.on_bad_replica``)."""
+        """A read found this replica bad (``BlockIO.on_bad_replica``). The block is looked
+        at in the next round unless it is backing off from a failed repair: then when it
+        is due (every read of a bad block would otherwise start another repair)."""
         rec = self._record(ino, index)
         if rec is not None:
             self._mark_bad((ino, index), rec, volume_id, reason)
-        self.note(ino, index)
+        if (ino, index) not in self.retry_at:
+            self.note(ino, index)
 
     def _mark_bad(self, key: tuple[int, int], rec: BlockRecord, volume_id: int, reason: str,
                   corrupt: bool = False) -> None:
@@ -200,6 +209,7 @@ class ReplicationMonitor:
         self.avoid.pop(key, None)
         self.failures.pop(key, None)
         self.bad.pop(key, None)
+        self.attempts.pop(key, None)
 
     # --- one block ----------------------------------------------------------------------------
 
@@ -218,6 +228,10 @@ class ReplicationMonitor:
                                  avoid=self.avoid.get((ino, index), ()))
         for target in targets:
             await self._copy(ino, index, rec, source, target)
+        if targets and any(m.corrupt for m in self._current_marks((ino, index), rec).values()):
+            # A good copy exists now: the next round drops the corrupt replicas (and
+            # replaces them), which would otherwise count as good ones.
+            self.note(ino, index)
         if self._persistent_count(rec) < replication:
             raise FsError(errno.ENOSPC, f"only {self._persistent_count(rec)} of {replication} "
                                         f"replicas placeable: no volume allowed by "
@@ -286,6 +300,8 @@ class ReplicationMonitor:
             now = self._record(ino, index)
             if now is None or now.gs != gs:  # a writer re-stamped it (and renamed its files)
                 raise FsError(errno.EAGAIN, "block changed during the copy; retrying") from exc
+            if exc.errno in OUT_OF_DESCRIPTORS:
+                raise  # neither side's fault: retried as it is
             if isinstance(exc, SourceReplicaError):
                 # Only recorded, not noted (that would make the block ready again and retry
                 # it every round): the next try copies from another replica, or gives the
@@ -301,6 +317,9 @@ class ReplicationMonitor:
             raise FsError(errno.EAGAIN, "block changed during the copy; retrying")
         rec.volumes = rec.volumes + (target.id,)
         self._refresh_open_file(ino, index, rec.volumes)
+        marks = self.bad.get((ino, index), {})
+        if source.id in marks and not marks[source.id].corrupt:
+            del marks[source.id]  # read whole and verified: whatever a read met has passed
 
     def _refresh_open_file(self, ino: int, index: int, volumes: tuple[int, ...]) -> None:
         of = self.blockio.files.get(ino)

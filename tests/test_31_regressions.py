@@ -318,7 +318,8 @@ def test_blocks_backing_off_cost_a_replication_round_nothing(tmp_path, monkeypat
         assert added == 0 and tried == [(1000, 0)]
         assert turns == 0, turns  # before: one turn per 64 backing-off blocks walked
         assert len(monitor.pending) == 5000
-        later = replication.time.monotonic() + replication.RETRY_SECONDS + 1
+        # 1000 failed twice in a row: it waits twice as long as the others
+        later = replication.time.monotonic() + 2 * replication.RETRY_SECONDS + 1
         monkeypatch.setattr(replication.time, "monotonic", lambda: later)
         tried.clear()
         trio.run(monitor.round)
@@ -328,16 +329,11 @@ def test_blocks_backing_off_cost_a_replication_round_nothing(tmp_path, monkeypat
 async def _corrupt_only_replica_wanting_two(ops, data):
     """A 10,000-byte file whose one replica has a flipped byte, its replication raised to
     2, and its block noted for the monitor; returns the file's entry."""
-    import glob
     from tierfs.fs.policy_xattrs import REPLICATION
     fi, entry = await ops.create(ROOT_INO, b"f", 0o644, os.O_RDWR, Ctx())
     await ops.write(fi.fh, 0, b"a" * 10_000)
     await ops.release(fi.fh)
-    [block] = [p for p in glob.glob(f"{data}/d*/**/blk_*", recursive=True)
-               if not p.endswith(".meta")]
-    with open(block, "r+b") as f:
-        f.seek(100)
-        f.write(b"Z")
+    _flip_a_byte(_replica_file(data, "*"))
     await ops.setxattr(entry.st_ino, REPLICATION, b"2", Ctx())
     ops.replication.note(entry.st_ino, 0)
     return entry
@@ -490,6 +486,134 @@ def test_a_missing_source_replica_is_blamed_not_the_copy_target(tmp_path):
     data = new_filesystem(tmp_path, [(StorageType.DISK, f"d{i}", None) for i in (1, 2, 3)],
                           replication=2, **DISK_64K)
     with prepared(data) as (ops, blockio, ns):
+        trio.run(scenario, ops, ns)
+
+
+def _replica_file(data, volume_id: int) -> str:
+    import glob
+    [path] = [p for p in glob.glob(f"{data}/d{volume_id}/**/blk_*", recursive=True)
+              if not p.endswith(".meta")]
+    return path
+
+
+def _flip_a_byte(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(100)
+        f.write(b"Z")
+
+
+async def _file_on_two_of_three_volumes(ops, ns) -> tuple[int, list[int]]:
+    fi, entry = await ops.create(ROOT_INO, b"f", 0o644, os.O_RDWR, Ctx())
+    await ops.write(fi.fh, 0, b"a" * 10_000)
+    await ops.release(fi.fh)
+    return entry.st_ino, sorted(ns.get_blocks(entry.st_ino)[0].volumes)
+
+
+def test_running_out_of_descriptors_during_a_copy_blames_no_replica(tmp_path, monkeypatch):
+    """EMFILE opening the copy's source said nothing about the replica, but it was marked
+    bad and dropped; with the other replica corrupt, the file became unreadable."""
+    from tierfs.backends.volume import Volume
+    from tierfs.fs import replication
+    from tierfs.fs.errors import VolumeError
+    from tierfs.fs.policy_xattrs import REPLICATION
+    clock = [replication.time.monotonic()]
+    monkeypatch.setattr(replication.time, "monotonic", lambda: clock[0])
+    real_open = Volume.open_replica
+    failures = [0]
+
+    def open_replica(self, block_id, gs, *, writable):
+        if failures[0] and not writable:
+            failures[0] -= 1
+            raise VolumeError("cannot open replica: Too many open files", errno.EMFILE)
+        return real_open(self, block_id, gs, writable=writable)
+
+    async def scenario(ops, ns):
+        ino, volumes = await _file_on_two_of_three_volumes(ops, ns)
+        _flip_a_byte(_replica_file(data, volumes[1]))  # the second one silently corrupt
+        await ops.setxattr(ino, REPLICATION, b"3", Ctx())
+        monkeypatch.setattr(Volume, "open_replica", open_replica)
+        failures[0] = 1
+        ops.replication.note(ino, 0)
+        await ops.replication.round()
+        assert not ops.replication.bad and not ops.replication.avoid
+        for _ in range(3):
+            clock[0] += replication.MAX_RETRY_SECONDS
+            await ops.replication.round()
+        fi = await ops.open(ino, os.O_RDONLY, Ctx())
+        assert await ops.read(fi.fh, 0, 10_000) == b"a" * 10_000
+        await ops.release(fi.fh)
+        assert volumes[0] in ns.get_blocks(ino)[0].volumes
+
+    data = new_filesystem(tmp_path, [(StorageType.DISK, f"d{i}", None) for i in (1, 2, 3)],
+                          replication=2, **DISK_64K)
+    with prepared(data, check=False) as (ops, blockio, ns):
+        trio.run(scenario, ops, ns)
+
+
+def test_a_replica_found_corrupt_is_replaced_once_a_good_copy_exists(tmp_path, monkeypatch):
+    """A read met a checksum error on one replica and a passing EIO on the other; the
+    copy proved the first corrupt and the second good. The corrupt one was then kept and
+    forgotten, counted as a good replica (fsck: CORRUPT_REPLICA, under-replicated)."""
+    from tierfs.fs import replication
+    from tierfs.fs.policy_xattrs import REPLICATION
+    clock = [replication.time.monotonic()]
+    monkeypatch.setattr(replication.time, "monotonic", lambda: clock[0])
+
+    async def scenario(ops, ns):
+        monitor = ops.replication
+        ino, volumes = await _file_on_two_of_three_volumes(ops, ns)
+        _flip_a_byte(_replica_file(data, volumes[0]))  # the first in read order
+        await ops.setxattr(ino, REPLICATION, b"3", Ctx())
+        monitor.report_bad(ino, 0, volumes[0], "checksum mismatch (as a read reports)")
+        monitor.report_bad(ino, 0, volumes[1], "a passing EIO (as a read reports)")
+        for _ in range(3):
+            await monitor.round()
+            clock[0] += replication.MAX_RETRY_SECONDS
+        assert not monitor.pending
+
+    data = new_filesystem(tmp_path, [(StorageType.DISK, f"d{i}", None) for i in (1, 2, 3)],
+                          replication=2, **DISK_64K)
+    with prepared(data) as (ops, blockio, ns):  # fsck: healthy, three good replicas
+        trio.run(scenario, ops, ns)
+
+
+def test_a_block_that_keeps_failing_waits_longer_each_time(tmp_path, monkeypatch):
+    """A source answering EIO on every read was read again every 5 s forever (12 times a
+    minute, each time up to the bad spot of a block of up to 1 GiB). The wait now
+    doubles with every failure in a row, up to MAX_RETRY_SECONDS."""
+    from tierfs.backends.replica import Replica
+    from tierfs.fs import replication
+    from tierfs.fs.errors import FsError
+    from tierfs.fs.policy_xattrs import REPLICATION
+    clock = [replication.time.monotonic()]
+    monkeypatch.setattr(replication.time, "monotonic", lambda: clock[0])
+    reads = []
+
+    def failing_read(self, offset, size, *args, **kwargs):
+        reads.append(clock[0])
+        raise FsError(errno.EIO, "injected medium error")
+
+    async def scenario(ops, ns):
+        monitor = ops.replication
+        fi, entry = await ops.create(ROOT_INO, b"f", 0o644, os.O_RDWR, Ctx())
+        await ops.write(fi.fh, 0, b"a" * 10_000)
+        await ops.release(fi.fh)
+        await ops.setxattr(entry.st_ino, REPLICATION, b"2", Ctx())
+        monkeypatch.setattr(Replica, "read", failing_read)
+        monitor.note(entry.st_ino, 0)
+        start = clock[0]
+        while clock[0] < start + 3600:  # an hour of rounds
+            await monitor.round()
+            clock[0] += replication.ROUND_SECONDS
+        gaps = [b - a for a, b in zip(reads, reads[1:])]
+        assert gaps[:4] == pytest.approx([5.0, 10.0, 20.0, 40.0], abs=0.6), gaps
+        assert max(gaps) == pytest.approx(replication.MAX_RETRY_SECONDS, abs=0.6)
+        assert len(reads) <= 18, len(reads)  # before: 720
+        assert (entry.st_ino, 0) in monitor.pending
+
+    data = new_filesystem(tmp_path, [(StorageType.DISK, "d1", None),
+                                     (StorageType.DISK, "d2", None)], **DISK_64K)
+    with prepared(data, check=False) as (ops, blockio, ns):
         trio.run(scenario, ops, ns)
 
 
