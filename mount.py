@@ -74,6 +74,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 #: Options the daemon sets itself: the tools find a mount's DATA by its fsname and its
 #: type by the subtype, so a user's value would cut the mount off from them.
 RESERVED_OPTIONS = ("fsname", "subtype")
+#: The kernel copies a mount's source name (the fsname) with this limit, NUL included.
+PATH_MAX = 4096
 
 
 def user_options(groups: list[str]) -> set[str]:
@@ -240,6 +242,9 @@ def check_targets(data: Path, mnt: Path, option_groups: list[str]) -> None:
         raise MountError(f"mount point {mnt} does not exist or is not a directory")
     if data.exists() and not data.is_dir():
         raise MountError(f"{data} is not a directory")
+    if len(os.fsencode(mountinfo.fsname(data))) >= PATH_MAX:
+        raise MountError(f"the path of {data} is too long to name a mount: at most "
+                         f"{PATH_MAX - 1} bytes once percent-encoded for libfuse")
     refuse_overlap(mnt, data, "the data directory")
     refuse_stacking(mnt)
     if not mkfs.is_filesystem(data):
@@ -432,7 +437,7 @@ def run(args, ready_fd: int | None) -> int:
     faulthandler.enable(file=sys.stderr)
     def fail(message: str) -> int:
         if ready_fd is not None:
-            os.write(ready_fd, f"error: {message}\n".encode())
+            os.write(ready_fd, f"error: {message}\n".encode(errors="surrogateescape"))
             os.close(ready_fd)
         else:
             print(f"mount.tierfs: {message}", file=sys.stderr)
@@ -485,7 +490,7 @@ def daemonize(args) -> int:
     read_fd, write_fd = os.pipe()
     if os.fork() > 0:
         os.close(write_fd)
-        with os.fdopen(read_fd) as pipe:
+        with os.fdopen(read_fd, errors="surrogateescape") as pipe:
             verdict = pipe.read().strip()
         if verdict == "ok":
             return 0

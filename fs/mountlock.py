@@ -53,9 +53,9 @@ class MountLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
-                lines = os.fsdecode(os.pread(fd, 4096, 0)).splitlines()
-                if len(lines) >= 2 and lines[0].isdigit():
-                    return int(lines[0]), lines[1]
+                pid, _, mountpoint = os.pread(fd, 8192, 0).partition(b"\n")
+                if pid.isdigit() and mountpoint.endswith(b"\n"):  # the mount point may
+                    return int(pid), os.fsdecode(mountpoint[:-1])  # hold newlines itself
                 return 0, "?"
             fcntl.flock(fd, fcntl.LOCK_UN)
             return None

@@ -763,7 +763,8 @@ def test_a_tool_whose_output_pipe_closes_stops_quietly(tmp_path):
         assert (proc.returncode, proc.stderr) == (code, ""), cmd
 
 
-@pytest.mark.parametrize("name", ["données", "not-utf8-\udcff", "a,b", "back\\slash 50%"])
+@pytest.mark.parametrize("name", ["données", "not-utf8-\udcff", "a,b", "back\\slash 50%",
+                                  "form\x0cfeed line\u2028separator"])
 def test_data_and_mount_point_names_beyond_ascii(tmp_path, name):
     """pyfuse3 passes mount options as ASCII and libfuse splits them at commas: a DATA
     named "données" made the daemon die at the mount ("daemon died", a traceback in its
@@ -784,6 +785,45 @@ def test_data_and_mount_point_names_beyond_ascii(tmp_path, name):
         r = run([TIERFS, "umount", str(mnt)])
     assert r.returncode == 0, r.stderr
     assert_remount_is_clean(data, mnt, {"f": b"kept"})
+
+
+def test_mount_errors_naming_a_path_that_is_not_utf8_reach_the_user(tmp_path):
+    """In the background the daemon sends its one line through a pipe; encoding it
+    strictly failed for such a path, and the user only read "daemon died"."""
+    data = tmp_path / "data"
+    missing = tmp_path / "not-utf8-\udcff"
+    r = subprocess.run([MOUNT_TIERFS, str(data), str(missing)], capture_output=True,
+                       timeout=60)
+    assert r.returncode == 1 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith(b"mount.tierfs: mount point ") and \
+        b"not-utf8-" in r.stderr and b"does not exist" in r.stderr, r.stderr
+
+
+def test_the_mount_lock_names_a_mount_point_holding_a_newline(tmp_path):
+    """The lock file holds the daemon's pid and mount point, one per line; a mount point
+    with a newline in its name was cut there in "already mounted (pid N on MNT)"."""
+    from tierfs.fs.mountlock import MountLock
+    data = tmp_path / "data"
+    mkfs(data)
+    lock = MountLock(data)
+    lock.acquire(tmp_path / "a\nb")
+    try:
+        assert MountLock(data).holder() == (os.getpid(), str(tmp_path / "a\nb"))
+    finally:
+        lock.release()
+    assert MountLock(data).holder() is None
+
+
+def test_a_data_path_too_long_to_name_a_mount_is_refused_with_a_reason(tmp_path):
+    """The kernel takes a mount's source name (here the percent-encoded DATA path) up to
+    4,095 bytes; beyond that the mount failed with a bare "Invalid argument"."""
+    data = tmp_path.joinpath(*["ж" * 120] * 6)  # 1,440 bytes, 4,320 once encoded
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    for mode in (["-f"], []):
+        r = mount_cmd(data, mnt, *mode)
+        assert_one_line_error(r, 1, "too long to name a mount", prefix="mount.tierfs: ")
+    assert not data.exists()
 
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])

@@ -56,12 +56,15 @@ def mounts() -> list[MountEntry]:
     try:
         # surrogateescape: any mount's path may be bytes that are not UTF-8
         with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-            lines = f.read().splitlines()
+            # Lines end at newlines and fields at spaces only: mountinfo escapes those
+            # (and tabs and backslashes) but not \f, \x1c or U+2028, at which
+            # splitlines() and split() would also cut.
+            lines = f.read().split("\n")
     except OSError:
         return entries
     for line in lines:
         left, sep, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
+        fields, tail = left.split(" "), right.split(" ")
         if not sep or len(fields) < 5 or len(tail) < 2:
             continue
         entries.append(MountEntry(fields[2], _unescape(fields[4]), _unescape(tail[0]),
