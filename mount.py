@@ -573,8 +573,8 @@ def open_standard_fds() -> None:
                 os.close(null)
     for name, fd in (("stdout", 1), ("stderr", 2)):
         if getattr(sys, name) is None:
-            setattr(sys, name, open(fd, "w", closefd=False, errors="backslashreplace",
-                                    line_buffering=True))
+            setattr(sys, name, open(fd, "w", buffering=1, closefd=False,  # line-buffered
+                                    errors="backslashreplace"))
 
 
 def main(argv: list[str] | None = None) -> int:
