@@ -78,14 +78,17 @@ class Placer:
 
     def __call__(self, ino: int, nbytes: int) -> tuple[list[Volume], int]:
         """The volumes for a new block, and how many persistent replicas it should have:
-        the file's replication, capped by the volumes its policy allows at all. More than
-        the volumes chosen when too few had room: the caller queues the rest."""
+        the file's replication, capped by what re-replication could ever add to the
+        volumes chosen. More than the volumes chosen when too few had room, or when only
+        the policy's replication fallbacks can take the rest (HOT, replication 2, one
+        DISK volume: the second replica goes to ARCHIVE, as in HDFS): the caller queues
+        the block for the replication monitor."""
         policy, replication = self.effective(ino)
         chosen = self._choose(policy, replication, nbytes)
         persistent = sum(not v.storage_type.transient for v in chosen)
         if persistent < replication:  # room, or no more volumes of the allowed types?
-            possible = choose_volumes(policy, replication, self.volumes, 0)
-            replication = sum(not v.storage_type.transient for v in possible)
+            more = choose_volumes(policy, replication, self.volumes, 0, existing=chosen)
+            replication = persistent + sum(not v.storage_type.transient for v in more)
         return chosen, replication
 
     def _choose(self, policy: BlockStoragePolicy, replication: int,

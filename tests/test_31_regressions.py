@@ -617,6 +617,27 @@ def test_a_block_that_keeps_failing_waits_longer_each_time(tmp_path, monkeypatch
         trio.run(scenario, ops, ns)
 
 
+def test_a_new_block_only_a_replication_fallback_can_complete_is_queued(tmp_path):
+    """HOT with replication 2 on the default layout (one DISK volume): a new block gets
+    its DISK replica (HOT has no creation fallback), and the second can only go to
+    ARCHIVE, HOT's replication fallback. The placer capped the block's replication at
+    what creation could place, so the monitor was never told: the blocks stayed
+    under-replicated until the next mount's scan."""
+    async def scenario(ops, ns):
+        fi, entry = await ops.create(ROOT_INO, b"g", 0o644, os.O_RDWR, Ctx())
+        await ops.write(fi.fh, 0, b"h" * (3 * 65536))
+        await ops.release(fi.fh)
+        assert ops.replication.pending == {(entry.st_ino, i) for i in range(3)}
+        assert await ops.replication.round() == 3
+        kinds = {i: sorted(ns.config.volumes[v - 1].storage_type for v in rec.volumes)
+                 for i, rec in ns.get_blocks(entry.st_ino).items()}
+        assert kinds == {i: ["ARCHIVE", "DISK"] for i in range(3)}
+
+    data = new_filesystem(tmp_path, replication=2, **DISK_64K)
+    with prepared(data) as (ops, blockio, ns):  # fsck: nothing under-replicated
+        trio.run(scenario, ops, ns)
+
+
 def test_a_block_noted_again_during_its_repair_is_not_forgotten(tmp_path):
     """A read that finds another bad replica while the monitor is copying the block notes
     it again; the round used to drop it from the pending set when that copy finished,
