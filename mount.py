@@ -88,10 +88,11 @@ def user_options(groups: list[str]) -> set[str]:
     return options
 
 
-def fuse_options(data: Path, groups: list[str]) -> set[str]:
+def fuse_options(data: Path, user: set[str]) -> set[str]:
+    """What libfuse gets: its defaults, the fsname and subtype, the user's ``-o``."""
     options = set(pyfuse3.default_options) | {f"fsname={mountinfo.fsname(data)}",
                                               "subtype=tierfs"}
-    options |= user_options(groups)
+    options |= user
     options.discard("rw")
     options.discard("defaults")
     return options
@@ -234,10 +235,11 @@ def raise_descriptor_limit() -> None:
         log.info("descriptor limit left at %d: %s", soft, exc)
 
 
-def check_targets(data: Path, mnt: Path, option_groups: list[str]) -> None:
+def check_targets(data: Path, mnt: Path, option_groups: list[str]) -> set[str]:
     """What must hold before anything is written, the daemon's log in DATA included
-    (MountError, or FsError from mkfs's rule for an empty DATA)."""
-    user_options(option_groups)
+    (MountError, or FsError from mkfs's rule for an empty DATA). Returns the user's
+    ``-o`` options, split."""
+    options = user_options(option_groups)
     if not mnt.is_dir():
         raise MountError(f"mount point {mnt} does not exist or is not a directory")
     if data.exists() and not data.is_dir():
@@ -249,13 +251,14 @@ def check_targets(data: Path, mnt: Path, option_groups: list[str]) -> None:
     refuse_stacking(mnt)
     if not mkfs.is_filesystem(data):
         mkfs.check_empty(data, mkfs.default_volumes(data))
+    return options
 
 
 def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:
     """Everything up to (not including) the FUSE mount; raises MountError."""
     data = Path(os.path.abspath(args.data))
     mnt = Path(os.path.abspath(args.mountpoint))
-    check_targets(data, mnt, args.options)
+    options = check_targets(data, mnt, args.options)
     if not mkfs.is_filesystem(data):
         config = mkfs.make_filesystem(data)
         log.info("created filesystem %s in %s (default layout)", config.fs_uuid, data)
@@ -278,7 +281,7 @@ def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:
         resolver = Resolver(ns)
         raise_descriptor_limit()
         blockio = BlockIO(ns, volumes, Placer(volumes, resolver.placement), new_session_id(),
-                          atime_rule=AtimeRule.from_mount_options(user_options(args.options)))
+                          atime_rule=AtimeRule.from_mount_options(options))
         ops = Operations(ns, blockio, make_statfs(volumes, ns), resolver)
         ops.replication = ReplicationMonitor(ns, volumes, blockio, resolver)
     except BaseException:
@@ -449,11 +452,12 @@ def run(args, ready_fd: int | None) -> int:
         return fail(str(exc))
     except OSError as exc:
         return fail(f"{exc.filename or args.data}: {exc.strerror or exc}")
+    options = user_options(args.options)  # checked by prepare()
     with stack:
         try:
             with libfuse_messages() as said:
                 pyfuse3.init(ops, os.path.abspath(args.mountpoint),
-                             fuse_options(Path(os.path.abspath(args.data)), args.options))
+                             fuse_options(Path(os.path.abspath(args.data)), options))
         except RuntimeError as exc:
             ns.set_state("clean")
             return fail(f"FUSE mount of {args.mountpoint} failed: {said.text or exc}")
@@ -469,7 +473,7 @@ def run(args, ready_fd: int | None) -> int:
         device = mount_device(args.mountpoint)
         aborted = False
         try:
-            trio.run(partial(serve, read_only="ro" in user_options(args.options)),
+            trio.run(partial(serve, read_only="ro" in options),
                      ops, blockio, ns, args.mountpoint)
         except* ConnectionAbortedError:
             # After an abort /dev/fuse answers ENODEV, which libfuse takes for the end of

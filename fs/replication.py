@@ -74,6 +74,10 @@ class BadReplica:
     reason: str
     corrupt: bool = False
 
+    def about(self, rec: BlockRecord) -> bool:
+        """Whether the finding is about the block as it is now (not stale)."""
+        return (self.block_id, self.gs) == (rec.block_id, rec.gs)
+
 
 class ReplicationMonitor:
     def __init__(self, ns: Namespace, volumes: VolumeSet, blockio: BlockIO, resolver: Resolver):
@@ -136,14 +140,14 @@ class ReplicationMonitor:
                   corrupt: bool = False) -> None:
         marks = self.bad.setdefault(key, {})
         old = marks.get(volume_id)
-        if old is not None and old.corrupt and (old.block_id, old.gs) == (rec.block_id, rec.gs):
+        if old is not None and old.corrupt and old.about(rec):
             return  # a verified finding stands
         marks[volume_id] = BadReplica(rec.block_id, rec.gs, reason, corrupt)
 
     def _current_marks(self, key: tuple[int, int], rec: BlockRecord) -> dict[int, BadReplica]:
         """The findings about the block as it is now; stale ones are forgotten."""
         marks = {v: m for v, m in self.bad.pop(key, {}).items()
-                 if v in rec.volumes and (m.block_id, m.gs) == (rec.block_id, rec.gs)}
+                 if v in rec.volumes and m.about(rec)}
         if marks:
             self.bad[key] = marks
         return marks
