@@ -32,6 +32,12 @@ class FsError(Exception):
         return self.message
 
 
+class LimitError(FsError):
+    """A per-inode limit the caller reached (room for extended attributes): answered with
+    its errno like any FsError, but not logged, since any user can reach it at will and
+    nothing is wrong with the filesystem."""
+
+
 def fs_error(err: int, message: str | None = None) -> FsError:
     """Shorthand used where a raise reads better with a function call."""
     return FsError(err, message)

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 import pyfuse3
 import trio
 
+from tierfs.fs import caller
 from tierfs.fs.blockio import BlockIO, OpenFile
-from tierfs.fs.errors import OUT_OF_DESCRIPTORS, FsError
+from tierfs.fs.errors import OUT_OF_DESCRIPTORS, FsError, LimitError
 from tierfs.fs.namespace import NAME_MAX, Namespace
 from tierfs.fs.policy_xattrs import PolicyXattrs, is_policy_xattr
 from tierfs.fs.schema import ROOT_INO, Inode
@@ -58,7 +59,8 @@ def handler(fn):
         except pyfuse3.FUSEError:
             raise
         except FsError as exc:
-            if exc.errno in (errno.EIO, errno.ENOSPC, *OUT_OF_DESCRIPTORS):
+            if (exc.errno in (errno.EIO, errno.ENOSPC, *OUT_OF_DESCRIPTORS)
+                    and not isinstance(exc, LimitError)):
                 log.warning("%s: %s", fn.__name__, exc)
             raise pyfuse3.FUSEError(exc.errno) from None
         except Exception:
@@ -200,9 +202,7 @@ class Operations(pyfuse3.Operations):
             gid = parent.gid
             if stat.S_ISDIR(mode):
                 mode |= stat.S_ISGID
-        if (not stat.S_ISDIR(mode) and mode & stat.S_ISGID and ctx.uid != 0
-                and gid != ctx.gid and gid not in _groups(ctx.pid)):
-            mode &= ~stat.S_ISGID
+        mode = caller.strip_new_sgid(mode, parent.mode, gid, ctx)
         return ctx.uid, gid, mode
 
     def _make(self, parent: int, name: bytes, mode: int, ctx, rdev: int = 0,
@@ -286,15 +286,20 @@ class Operations(pyfuse3.Operations):
             of.ctime_ns = ctime
             of.attrs_dirty = True
         elif changes or fields.update_ctime or not fields.update_size:
-            if of is not None:
-                self.blockio.persist(of)
             # With writeback caching the kernel keeps ctime itself and sends it here; store
             # exactly that, so what stat shows does not move at the next mount.
-            updated = self.ns.setattr(inode, ctime_ns=ctime, **changes)
-            if of is not None:
-                of.atime_ns, of.mtime_ns, of.ctime_ns = (
-                    updated.atime_ns, updated.mtime_ns, updated.ctime_ns)
+            self._store_attrs(inode, of, ctime_ns=ctime, **changes)
         return self._entry(self.ns.get_inode(inode))
+
+    def _store_attrs(self, ino: int, of: OpenFile | None, **changes) -> None:
+        """One namespace transaction for attribute changes; an open file's in-memory
+        length and times are written first and take the stored times back after."""
+        if of is not None:
+            self.blockio.persist(of)
+        updated = self.ns.setattr(ino, **changes)
+        if of is not None:
+            of.atime_ns, of.mtime_ns, of.ctime_ns = (
+                updated.atime_ns, updated.mtime_ns, updated.ctime_ns)
 
     async def _truncate(self, ino: int, size: int, fh) -> None:
         inode = self.ns.get_inode(ino)
@@ -389,14 +394,26 @@ class Operations(pyfuse3.Operations):
         if flags & os.O_TRUNC:  # Linux truncates even for O_RDONLY (permission checked)
             handle = self.handles[fi.fh]
             try:
-                if handle.of.size:
-                    await self.blockio.truncate(handle.of, 0)
+                await self._truncate_at_open(handle.of, ctx)
             except BaseException:  # the kernel sends no release for a failed open
                 self.handles.pop(fi.fh)
                 self.blockio.release(handle.of, writer=handle.writer)
                 raise
             fi.keep_cache = False
         return fi
+
+    async def _truncate_at_open(self, of: OpenFile, ctx) -> None:
+        """open(O_TRUNC). The kernel lets the OPEN truncate (libfuse's atomic O_TRUNC) and
+        then skips the SETATTR a truncate sends, so the set-id bits Linux clears on every
+        truncate of a regular file, even an empty one, are cleared here."""
+        if of.size:
+            await self.blockio.truncate(of, 0)
+        inode = self.ns.get_inode(of.ino)
+        mode = caller.mode_after_truncate(inode.mode, inode.gid, ctx)
+        if mode != inode.mode:
+            self._store_attrs(of.ino, of, mode=mode, ctime_ns=time.time_ns())
+            if self.nursery is not None:  # mounted: the kernel's cached mode
+                _invalidate_inode(of.ino, attr_only=True)
 
     @handler
     async def create(self, parent_inode, name, mode, flags, ctx):
@@ -544,17 +561,18 @@ class Operations(pyfuse3.Operations):
         except FsError:
             old = 0
         if self.ns.xattr_bytes(inode) - old + len(name) + len(value) > XATTR_INODE_MAX:
-            raise FsError(errno.ENOSPC, "no room for more extended attributes on this inode")
+            raise LimitError(errno.ENOSPC, "no room for more extended attributes on this inode")
         if not old and (sum(len(n) + 1 for n in self.ns.list_xattrs(inode)) + len(name) + 1
                         > XATTR_LIST_MAX):
             # Past this the inode could never be listed again (getfattr -d, cp -a).
-            raise FsError(errno.ENOSPC, "no room for another attribute name on this inode")
+            raise LimitError(errno.ENOSPC, "no room for another attribute name on this inode")
         self.ns.set_xattr(inode, name, value, time.time_ns())
 
     @handler
     async def listxattr(self, inode, ctx):
         names = self.ns.list_xattrs(inode) + self.policy_xattrs.listed(inode)
-        if ctx.uid != 0:  # trusted.* is visible to privileged processes only (Linux rule)
+        if (any(n.startswith(b"trusted.") for n in names)
+                and not caller.capable(ctx, caller.CAP_SYS_ADMIN)):  # the Linux rule
             names = [n for n in names if not n.startswith(b"trusted.")]
         if sum(len(n) + 1 for n in names) > XATTR_LIST_MAX:
             raise FsError(errno.E2BIG, "attribute list too large")
@@ -580,13 +598,6 @@ def _invalidate_inode(ino: int, attr_only: bool = False) -> None:
         pyfuse3.invalidate_inode(ino, attr_only)
     except OSError as exc:
         log.info("kernel cache of inode %d not invalidated: %s", ino, exc)
-
-
-def _groups(pid: int) -> set[int]:
-    try:
-        return pyfuse3.get_sup_groups(pid)
-    except (OSError, ValueError):
-        return set()
 
 
 def make_statfs(volumes, ns: Namespace):

@@ -26,6 +26,8 @@ import shutil
 import socket
 import stat
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -362,6 +364,14 @@ def _setid_scenario(base: Path) -> dict:
     make("other_truncates", 0o6777)
     make("chgrp_by_owner", 0o6775, NOBODY, NOBODY)
     make("chmod_sgid_foreign_group", 0o755, NOBODY, NOBODY)
+    # open(O_TRUNC) truncates inside the OPEN request and clears what a truncate clears,
+    # an empty file included (S_ISGID without g+x only for a caller outside the group).
+    make("other_opens_trunc", 0o6777)
+    make("owner_opens_trunc_empty", 0o6775, NOBODY, NOBODY)
+    os.truncate(base / "owner_opens_trunc_empty", 0)
+    make("nonmember_opens_trunc_sgid_noexec", 0o2666, 0, GROUP)
+    make("member_opens_trunc_sgid_noexec", 0o2666, 0, GROUP)
+    make("root_opens_trunc", 0o6777)
     os.mkdir(base / "dir")
     os.chmod(base / "dir", 0o3777)
 
@@ -375,10 +385,17 @@ def _setid_scenario(base: Path) -> dict:
     # chmod g+s by the owner on a file whose group it is not in: the bit is dropped silently.
     os.chown(base / "chmod_sgid_foreign_group", NOBODY, GROUP)
     as_user(base, lambda: os.chmod("chmod_sgid_foreign_group", 0o2755))
+    as_user(base, lambda: write_file("other_opens_trunc"))
+    as_user(base, lambda: write_file("owner_opens_trunc_empty"))
+    as_user(base, lambda: write_file("nonmember_opens_trunc_sgid_noexec"))
+    as_user(base, lambda: write_file("member_opens_trunc_sgid_noexec"), groups=[GROUP])
+    write_file(base / "root_opens_trunc")
     os.chown(base / "dir", NOBODY, NOBODY)
     names = ["other_writes", "owner_writes", "root_writes", "chown_by_root",
              "chown_sgid_noexec", "other_truncates", "chgrp_by_owner",
-             "chmod_sgid_foreign_group", "dir"]
+             "chmod_sgid_foreign_group", "other_opens_trunc", "owner_opens_trunc_empty",
+             "nonmember_opens_trunc_sgid_noexec", "member_opens_trunc_sgid_noexec",
+             "root_opens_trunc", "dir"]
     return {n: oct(stat.S_IMODE(os.stat(base / n).st_mode)) for n in names}
 
 
@@ -392,6 +409,11 @@ def test_setuid_and_setgid_bits_are_cleared_like_ext4(mnt, ref):
     assert r["other_truncates"] == oct(0o777)
     assert r["chgrp_by_owner"] == oct(0o775)
     assert r["chmod_sgid_foreign_group"] == oct(0o755)
+    assert r["other_opens_trunc"] == oct(0o777)
+    assert r["owner_opens_trunc_empty"] == oct(0o775)
+    assert r["nonmember_opens_trunc_sgid_noexec"] == oct(0o666)
+    assert r["member_opens_trunc_sgid_noexec"] == oct(0o2666)
+    assert r["root_opens_trunc"] == oct(0o6777)    # CAP_FSETID keeps them, as for writes
     assert r["dir"] == oct(0o3777)                 # directories keep theirs
 
 
@@ -403,6 +425,9 @@ def _setgid_dir_scenario(base: Path) -> dict:
     def create_as_user():
         fd = os.open("sg/ufile", os.O_CREAT | os.O_WRONLY, 0o2755)
         os.close(fd)
+        fd = os.open("sg/ufile_noexec", os.O_CREAT | os.O_WRONLY, 0o2644)
+        os.close(fd)
+        os.mkfifo("sg/ufifo_sgid", 0o2660)
         os.mkdir("sg/udir", 0o755)
         os.mkfifo("sg/ufifo", 0o644)
         os.symlink("target", "sg/ulink")
@@ -416,7 +441,8 @@ def _setgid_dir_scenario(base: Path) -> dict:
     write_file(base / "sg" / "rootfile", b"", 0o644)
     os.mkdir(base / "sg" / "udir" / "nested")
     out = {}
-    for name in ("ufile", "udir", "ufifo", "ulink", "mfile", "rootfile", "udir/nested"):
+    for name in ("ufile", "ufile_noexec", "ufifo_sgid", "udir", "ufifo", "ulink", "mfile",
+                 "rootfile", "udir/nested"):
         st = os.lstat(base / "sg" / name)
         out[name] = (oct(stat.S_IMODE(st.st_mode)) if not stat.S_ISLNK(st.st_mode) else "lnk",
                      st.st_uid, st.st_gid)
@@ -426,6 +452,9 @@ def _setgid_dir_scenario(base: Path) -> dict:
 def test_setgid_directory_gives_its_group_and_inherits_to_subdirectories(mnt, ref):
     r = both(mnt, ref, _setgid_dir_scenario)
     assert r["ufile"] == (oct(0o755), NOBODY, GROUP)        # not in GROUP: S_ISGID dropped
+    # ... but only from a set-group-id program: without g+x it is not one, and stays.
+    assert r["ufile_noexec"] == (oct(0o2644), NOBODY, GROUP)
+    assert r["ufifo_sgid"] == (oct(0o2660), NOBODY, GROUP)
     assert r["udir"] == (oct(0o2755), NOBODY, GROUP)
     assert r["ufifo"] == (oct(0o644), NOBODY, GROUP)
     assert r["ulink"] == ("lnk", NOBODY, GROUP)
@@ -1374,6 +1403,13 @@ def test_xattr_namespaces_and_file_types(mnt, ref):
         os.chmod(base / "f", 0o666)
         r["user set with write"] = user_errno(base, lambda: os.setxattr("f", "user.u", b"v"))
         r["root sees"] = sorted(os.listxattr(base / "f"))
+        r["user sees"] = as_user(base, lambda: sorted(os.listxattr("f")))
+        # Linux lists trusted.* by capability (CAP_SYS_ADMIN), not by uid 0.
+        r["root without CAP_SYS_ADMIN sees"] = _listxattr_with(
+            base, "f", "--inh-caps=-sys_admin", "--bounding-set=-sys_admin")
+        r["user with CAP_SYS_ADMIN sees"] = _listxattr_with(
+            base, "f", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups",
+            "--inh-caps=+sys_admin", "--ambient-caps=+sys_admin")
         return r
 
     r = both(mnt, ref, scenario)
@@ -1387,6 +1423,17 @@ def test_xattr_namespaces_and_file_types(mnt, ref):
     assert r["trusted set as user"] == errno.EPERM
     assert r["user set with write"] == 0
     assert r["root sees"] == ["trusted.secret", "user.u"]
+    assert r["user sees"] == r["root without CAP_SYS_ADMIN sees"] == ["user.u"]
+    assert r["user with CAP_SYS_ADMIN sees"] == ["trusted.secret", "user.u"]
+
+
+def _listxattr_with(cwd: Path, name: str, *setpriv_args: str) -> list[str]:
+    """The names listxattr gives a process started by setpriv(1) with these arguments."""
+    out = subprocess.run(
+        ["setpriv", *setpriv_args, sys.executable, "-c",
+         "import os, sys; print(' '.join(sorted(os.listxattr(sys.argv[1]))))", name],
+        cwd=cwd, capture_output=True, text=True, check=True).stdout
+    return out.split()
 
 
 # --- persistence of metadata -------------------------------------------------------------------

@@ -1,0 +1,75 @@
+"""Who is asking: the calling process's groups and capabilities, and the set-id rules that
+depend on them.
+
+With ``default_permissions`` the kernel checks access before a request reaches the daemon,
+but a few decisions a disk filesystem makes in the kernel are left to a FUSE daemon: which
+``trusted.*`` names a listing shows, whether a new file in a setgid directory keeps its
+S_ISGID bit on kernels before 6.0, and which set-id bits an ``open(O_TRUNC)`` clears (the
+kernel skips the attribute change it would send, because the OPEN itself truncates). Linux
+decides these by capability, not by uid 0, so they are decided here from the caller's
+effective capability set in ``/proc/PID/status``. When that cannot be read (the caller has
+exited), uid 0 stands for "privileged".
+"""
+
+from __future__ import annotations
+
+import stat
+
+import pyfuse3
+
+CAP_FSETID = 4
+CAP_SYS_ADMIN = 21
+
+
+def groups(pid: int) -> set[int]:
+    """The caller's supplementary groups (empty when they cannot be read)."""
+    try:
+        return pyfuse3.get_sup_groups(pid)
+    except (OSError, ValueError):
+        return set()
+
+
+def capable(ctx, cap: int) -> bool:
+    """Whether the caller's effective capabilities include ``cap`` (Linux numbering)."""
+    try:
+        with open(f"/proc/{ctx.pid}/status", "rb") as status:
+            for line in status:
+                if line.startswith(b"CapEff:"):
+                    return bool(int(line.split()[1], 16) >> cap & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return ctx.uid == 0
+
+
+def in_group_or_capable(ctx, gid: int) -> bool:
+    """The kernel's ``in_group_or_capable`` for CAP_FSETID: may the caller keep S_ISGID on
+    a file of group ``gid``?"""
+    return gid == ctx.gid or gid in groups(ctx.pid) or capable(ctx, CAP_FSETID)
+
+
+def mode_after_truncate(mode: int, gid: int, ctx) -> int:
+    """The mode a truncate by the caller leaves on a regular file, as Linux does for a
+    write or truncate: a caller holding CAP_FSETID keeps both bits; for any other, S_ISUID
+    goes, and S_ISGID goes with group execute set (a set-group-id program), or without it
+    when the caller is not in the file's group."""
+    if not stat.S_ISREG(mode) or not mode & (stat.S_ISUID | stat.S_ISGID):
+        return mode
+    if capable(ctx, CAP_FSETID):
+        return mode
+    mode &= ~stat.S_ISUID
+    if mode & stat.S_ISGID and (mode & stat.S_IXGRP or not in_group_or_capable(ctx, gid)):
+        mode &= ~stat.S_ISGID
+    return mode
+
+
+def strip_new_sgid(mode: int, parent_mode: int, gid: int, ctx) -> int:
+    """S_ISGID of a new non-directory in a setgid directory, as Linux's ``mode_strip_sgid``:
+    dropped only for a set-group-id program (group execute set) made by a caller who is
+    neither in the directory's group nor holds CAP_FSETID. Kernels from 6.0 do this before
+    the request is sent; older ones leave it to the filesystem."""
+    if (stat.S_ISDIR(mode) or not parent_mode & stat.S_ISGID
+            or mode & (stat.S_ISGID | stat.S_IXGRP) != stat.S_ISGID | stat.S_IXGRP):
+        return mode
+    if in_group_or_capable(ctx, gid):
+        return mode
+    return mode & ~stat.S_ISGID
