@@ -45,6 +45,15 @@ XATTR_VALUE_MAX = 65536        # Linux XATTR_SIZE_MAX
 XATTR_LIST_MAX = 65536         # Linux XATTR_LIST_MAX
 XATTR_INODE_MAX = 256 * 1024   # names + values stored per inode; beyond it ENOSPC
 XATTR_NAMESPACES = (b"user.", b"trusted.", b"security.")
+# A write-only open is served uncached (``direct_io``) while a new block of the file could
+# not find this much room: each write() then reaches the daemon and gets its ENOSPC. With
+# the kernel's writeback cache, write() only fills the page cache and a full volume is
+# found at writeback, reported at close or fsync at best (a shell's `echo x > f` never
+# sees it), with the kernel keeping the size it assumed. The kernel holds at most the
+# FUSE connection's dirty allowance for the whole mount (strictlimit, 1% of the dirty
+# threshold: /sys/class/bdi/<dev>/max_bytes, 48 MB on a 24 GiB machine); this is five
+# times that. Read-write opens stay cached, so that MAP_SHARED mappings keep working.
+WRITEBACK_HEADROOM = 256 << 20
 READDIR_BATCH = 256  # entries read from the namespace at a time; a READDIRPLUS reply
                      # (128 KiB) holds about 770 of them
 
@@ -74,7 +83,8 @@ def handler(fn):
 class Handle:
     of: OpenFile
     writer: bool
-    # Opened O_DIRECT: served uncached (``direct_io``). The kernel updates a file's mtime and
+    # Served uncached (``direct_io``): opened O_DIRECT, or write-only while space is low
+    # (WRITEBACK_HEADROOM). The kernel updates a file's mtime and
     # ctime itself on a write() into its page cache and sends them with SETATTR; a direct
     # write it leaves to this daemon.
     direct: bool = False
@@ -377,9 +387,11 @@ class Operations(pyfuse3.Operations):
 
     def _open(self, ino: int, flags: int, created: Inode | None = None) -> pyfuse3.FileInfo:
         writer = (flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
+        direct = bool(flags & os.O_DIRECT) or (
+            (flags & os.O_ACCMODE) == os.O_WRONLY
+            and not self.blockio.placer.has_room(ino, WRITEBACK_HEADROOM))
         of = self.blockio.acquire(ino, writer=writer, created=created)
         fh = self._fh()
-        direct = bool(flags & os.O_DIRECT)
         self.handles[fh] = Handle(of, writer, direct)
         fi = pyfuse3.FileInfo(fh=fh)
         if direct:

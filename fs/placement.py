@@ -91,6 +91,15 @@ class Placer:
             replication = persistent + sum(not v.storage_type.transient for v in more)
         return chosen, replication
 
+    def has_room(self, ino: int, nbytes: int) -> bool:
+        """Whether a new block of the file could be placed now on volumes that each have
+        ``nbytes`` free (no side effect: nothing is reserved)."""
+        policy, replication = self.effective(ino)
+        try:
+            return bool(self._choose(policy, replication, nbytes))
+        except FsError:
+            return False
+
     def _choose(self, policy: BlockStoragePolicy, replication: int,
                 nbytes: int) -> list[Volume]:
         if policy.copy_on_create_file and replication == 1:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import signal
 import subprocess
@@ -874,3 +875,33 @@ def test_reply_to_a_dropped_request_is_not_logged_as_an_error():
     assert "dropped the request" in dropped.getMessage()
     other = filtered("fuse_write(): fuse_reply_* failed with %s", os.strerror(errno.EINVAL))
     assert other.levelname == "ERROR"
+
+
+def test_a_full_volume_fails_the_write_itself_not_only_the_close(tmp_path, make_mount):
+    """With little room left, write-only opens are served uncached: write() gets ENOSPC,
+    the size is what was stored, and nothing turns into zeros. Through the page cache,
+    ``echo x > f`` exited 0 with the data lost, stat showed the size the kernel assumed,
+    and a later append made the lost bytes a hole of zeros for good."""
+    mnt = make_mount("--volume", f"DISK:{tmp_path}/small:8M", "--block-size", "1M").mountpoint
+    src = tmp_path / "src"
+    src.write_bytes(os.urandom(16 << 20))
+    r = run(["dd", f"if={src}", f"of={mnt}/big", "bs=1M"])
+    assert r.returncode == 1 and "No space left on device" in r.stderr, r.stderr
+    stored = (mnt / "big").stat().st_size
+    assert 0 < stored < (8 << 20) and stored % (1 << 20) == 0
+    assert (mnt / "big").read_bytes() == src.read_bytes()[:stored]
+
+    r = run(["bash", "-c", f"echo hello > {mnt}/log"])
+    assert r.returncode != 0 and "No space left on device" in r.stderr, r.stderr
+    assert (mnt / "log").stat().st_size == 0
+    (mnt / "big").unlink()
+    r = run(["bash", "-c", f"echo world >> {mnt}/log"])
+    assert r.returncode == 0, r.stderr
+    assert (mnt / "log").read_bytes() == b"world\n"
+
+    # Read-write opens keep the page cache, so shared mappings still work.
+    with open(mnt / "mapped", "w+b") as f:
+        f.truncate(4096)
+        with mmap.mmap(f.fileno(), 4096) as m:
+            m[:5] = b"shared"[:5]
+    assert (mnt / "mapped").read_bytes()[:5] == b"share"
