@@ -1062,3 +1062,37 @@ def test_report_of_a_path_inside_a_mount_is_refused(mounted):
         r = tierfs("report", str(target))
         assert r.returncode == 0 and r.stdout.startswith(
             f"tierfs report of {mounted.data}:"), r.stderr
+
+
+def test_a_tool_that_cannot_run_exits_with_its_documented_code(tmp_path):
+    """fsck --repair on a read-only DATA cannot take the mount lock: that is "cannot run"
+    (2), not "problems found" (1), which it answered before."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], check=True)
+    try:
+        run_tool("mkfs", str(disk / "data"))
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+        r = run_tool("fsck", "--repair", str(disk / "data"), check=False)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.count("\n") == 1 and "Read-only file system" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_ctrl_c_while_a_tool_starts_is_a_quiet_interrupt():
+    """SIGINT before ``main`` runs (the modules are still loading) or while it builds its
+    parser ends the tool with 130, without a traceback."""
+    early = subprocess.run(
+        [sys.executable, "-c", "import os, signal, time, tierfs.tools.cli\n"
+                               "os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(5)"],
+        capture_output=True, text=True, timeout=30)
+    assert early.returncode == 130 and early.stderr == "", early.stderr
+    in_parser = subprocess.run(
+        [sys.executable, "-c", "import sys, tierfs.tools.cli as cli\n"
+                               "def interrupted():\n    raise KeyboardInterrupt\n"
+                               "cli.build_parser = interrupted\nsys.exit(cli.main(['report', '/']))"],
+        capture_output=True, text=True, timeout=30)
+    assert in_parser.returncode == 130, in_parser.stderr
+    assert in_parser.stderr == "tierfs: interrupted\n"

@@ -19,14 +19,23 @@ report      0 reported, 2 usage or cannot run (not a tierfs data directory or mo
 
 from __future__ import annotations
 
-import argparse
-import logging
 import os
 import signal
 import sys
-from pathlib import Path
 
-from tierfs.fs.errors import FsError, UsageError, VolumeError
+# Ctrl-C while the modules below load would end in a traceback: until ``main`` takes
+# over, it ends the tool quietly with the interrupted status.
+signal.signal(signal.SIGINT, lambda signum, frame: os._exit(130))
+
+import argparse  # noqa: E402 - after the handler on purpose
+import logging  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from tierfs.fs.errors import FsError, UsageError, VolumeError  # noqa: E402
+
+# The exit code of a tool that could not run, where it is not 1 (README, "Exit codes"):
+# fsck's 1 means "problems found", and policy and report use 2 for failures.
+CANNOT_RUN = {"fsck": 2, "policy": 2, "report": 2}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -196,6 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # while the parser was being built
+        print("tierfs: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -215,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except (FsError, VolumeError) as exc:
         print(f"tierfs {args.command}: {exc}", file=sys.stderr)
-        return 1
+        return CANNOT_RUN.get(args.command, 1)
     except BrokenPipeError:
         # The reader went away (``| head``): stop quietly with the status a tool killed
         # by SIGPIPE has, and keep Python from reporting the flush at exit as well.
@@ -224,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"tierfs {args.command}: {where}{exc.strerror or exc}", file=sys.stderr)
-        return 1
+        return CANNOT_RUN.get(args.command, 1)
     except KeyboardInterrupt:
         print(f"tierfs {args.command}: interrupted", file=sys.stderr)
         return 130
