@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 NAME_MAX = 255
 INITIAL_MAP_SIZE = 64 << 20
 MAX_MAP_SIZE = 1 << 40
+# Below this much free space on the namespace's disk, a failed write is taken for a full
+# disk: LMDB writes a commit's dirty pages (a few to a few hundred KiB) in one go.
+NEARLY_FULL_BYTES = 16 << 20
 # Block ids and generation stamps are reserved from the durable counters in batches so a
 # new block costs one transaction; skipped numbers are simply never used. Each batch is
 # synced before use: numbers handed out reach replica files (names, meta headers) on disk,
@@ -230,13 +233,21 @@ class Namespace:
         self.env.set_mapsize(size * 2)
         log.info("namespace map grown to %d MiB", size * 2 >> 20)
 
-    @staticmethod
-    def _lmdb_error(exc: lmdb.Error) -> FsError:
+    def _lmdb_error(self, exc: lmdb.Error) -> FsError:
+        """ENOSPC when the namespace's disk is full, else EIO (logged). LMDB reports a write
+        cut short by a full disk as EIO, so the disk's free space tells the two apart."""
         text = str(exc)
-        if "No space" in text or "ENOSPC" in text:
+        if "No space" in text or "ENOSPC" in text or self._disk_nearly_full():
             return FsError(errno.ENOSPC, "no space left for the namespace")
         log.error("namespace I/O error: %s", text)
         return FsError(errno.EIO, f"namespace error: {text}")
+
+    def _disk_nearly_full(self) -> bool:
+        try:
+            st = os.statvfs(self.path)
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize < NEARLY_FULL_BYTES
 
     def _take(self, txn: lmdb.Transaction, counter: str, count: int = 1) -> int:
         """Advance a durable counter by ``count``; returns its value before the advance."""

@@ -11,12 +11,14 @@ from __future__ import annotations
 import errno
 import random
 import stat
+import subprocess
 import uuid
 from contextlib import contextmanager
 from typing import NamedTuple
 
 import pytest
 
+from tierfs.backends.storage_types import StorageType
 from tierfs.fs import namespace as nsmod
 from tierfs.fs import schema
 from tierfs.fs.errors import FsError
@@ -27,7 +29,7 @@ from tierfs.fs.namespace import (
     Namespace,
 )
 from tierfs.fs.schema import ROOT_INO, BlockRecord, Inherited, Inode, Op
-from tierfs.tools.mkfs import NAMESPACE_DIR, make_filesystem
+from tierfs.tools.mkfs import NAMESPACE_DIR, VolumeSpec, make_filesystem
 
 DIR = stat.S_IFDIR | 0o755
 REG = stat.S_IFREG | 0o644
@@ -1064,3 +1066,27 @@ def test_everything_survives_reopen(tmp_path):
     assert ns.get_blocks(f) == {7: rec}
     assert ns.get_xattr(f, b"user.k") == b"v"
     ns.close()
+
+
+def test_a_full_namespace_disk_gives_enospc_not_eio(tmp_path):
+    """LMDB reports a commit cut short by a full disk as EIO; the mount must answer ENOSPC
+    (and log no I/O error), and what was committed stays readable."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], check=True)
+    try:
+        make_filesystem(disk / "d", volumes=[VolumeSpec(StorageType.DISK, tmp_path / "v")])
+        namespace = Namespace.open(disk / "d" / NAMESPACE_DIR)
+        try:
+            made = 0
+            with pytest.raises(FsError) as caught:
+                for made in range(1_000_000):
+                    ino = mkfile(namespace, ROOT_INO, b"f%d" % made)
+                    namespace.set_xattr(ino, b"user.pad", b"x" * 2000, NOW)
+            assert caught.value.errno == errno.ENOSPC, caught.value
+            assert made > 100
+            assert namespace.lookup(ROOT_INO, b"f1").ino
+        finally:
+            namespace.close()
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
