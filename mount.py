@@ -26,6 +26,7 @@ import tempfile
 from contextlib import ExitStack, contextmanager
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import pyfuse3
 import trio
@@ -49,6 +50,7 @@ log = logging.getLogger("tierfs.mount")
 
 TICK_SECONDS = 1.0
 SIGNAL_FLUSH_SECONDS = 30.0
+WRITERS_POLL_SECONDS = 0.2
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s: %(message)s"
 
 
@@ -326,7 +328,7 @@ async def serve(ops: Operations, blockio: BlockIO, ns: Namespace, mountpoint: st
         ops.nursery = nursery
         nursery.start_soon(_tick, blockio, ns)
         nursery.start_soon(_settle_unsynced, blockio)
-        nursery.start_soon(_signals, mountpoint)
+        nursery.start_soon(_signals, mountpoint, ops.writers_open)
         nursery.start_soon(_tune_after_init, ops, mountpoint)
         if read_only:
             log.info("read-only mount: bad or missing replicas are not repaired")
@@ -401,27 +403,55 @@ async def _settle_unsynced(blockio: BlockIO) -> None:
             await blockio.settle_unsynced()
 
 
-async def _signals(mountpoint: str) -> None:
-    """SIGINT/SIGTERM unmount cleanly. With writeback caching the kernel may still hold
-    data that write() accepted: it is flushed first (syncfs of our own mount, from a worker
-    thread, while this loop keeps serving the writes it causes), then the daemon stops. A
-    second signal stops at once."""
+async def _signals(mountpoint: str, writers_open: Callable[[], int]) -> None:
+    """SIGINT/SIGTERM unmount cleanly, once no file is open for writing: a process in the
+    middle of writing a file would otherwise go on with write() calls that succeed into a
+    page cache nobody writes back, and lose them without a word (as ``umount`` refuses a
+    busy mount; readers do not hold it up). The daemon serves on meanwhile. Then, with
+    writeback caching, the kernel may still hold data that write() accepted: it is flushed
+    (syncfs of our own mount, from a worker thread, while this loop keeps serving the
+    writes it causes), and the daemon stops. Another signal stops the waiting at once."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async for signum in signals:
+            writers = writers_open()
+            if writers:
+                log.warning("signal %d: %d file(s) open for writing; unmounting when they "
+                            "are closed (another signal: at once)", signum, writers)
+                if not await _until_signal(signals, _writers_closed, writers_open):
+                    log.warning("second signal: unmounting with files open for writing")
+                    pyfuse3.terminate()
+                    return
             log.info("signal %d: unmounting (cached writes flushed first)", signum)
             with trio.move_on_after(SIGNAL_FLUSH_SECONDS):
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_flush_then_cancel, mountpoint, nursery.cancel_scope)
-                    async for _ in signals:
-                        break  # another signal: no more waiting
-                    nursery.cancel_scope.cancel()
+                await _until_signal(signals, _flush, mountpoint)
             pyfuse3.terminate()
             return
 
 
-async def _flush_then_cancel(mountpoint: str, scope: trio.CancelScope) -> None:
+async def _until_signal(signals, fn, *args) -> bool:
+    """Run ``fn(*args)`` until it returns (True) or another signal arrives (False)."""
+    finished = False
+    async with trio.open_nursery() as nursery:
+        async def run_then_cancel() -> None:
+            nonlocal finished
+            await fn(*args)
+            finished = True
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(run_then_cancel)
+        async for _ in signals:
+            break
+        nursery.cancel_scope.cancel()
+    return finished
+
+
+async def _flush(mountpoint: str) -> None:
     await trio.to_thread.run_sync(_syncfs, mountpoint, abandon_on_cancel=True)
-    scope.cancel()
+
+
+async def _writers_closed(writers_open: Callable[[], int]) -> None:
+    while writers_open():
+        await trio.sleep(WRITERS_POLL_SECONDS)
 
 
 def _syncfs(mountpoint: str) -> None:

@@ -474,6 +474,10 @@ class Operations(pyfuse3.Operations):
         self.blockio.release(handle.of, writer=handle.writer)
         self._maybe_purge(handle.of.ino)
 
+    def writers_open(self) -> int:
+        """Open handles that may write (a signal's unmount waits for them)."""
+        return sum(handle.writer for handle in self.handles.values())
+
     @handler
     async def fsync(self, fh, datasync):
         await self.blockio.fsync(self.handles[fh].of)
