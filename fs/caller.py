@@ -41,10 +41,15 @@ def capable(ctx, cap: int) -> bool:
     return ctx.uid == 0
 
 
+def in_group(ctx, gid: int) -> bool:
+    """Whether ``gid`` is the caller's group or one of its supplementary groups."""
+    return gid == ctx.gid or gid in groups(ctx.pid)
+
+
 def in_group_or_capable(ctx, gid: int) -> bool:
     """The kernel's ``in_group_or_capable`` for CAP_FSETID: may the caller keep S_ISGID on
     a file of group ``gid``?"""
-    return gid == ctx.gid or gid in groups(ctx.pid) or capable(ctx, CAP_FSETID)
+    return in_group(ctx, gid) or capable(ctx, CAP_FSETID)
 
 
 def mode_after_truncate(mode: int, gid: int, ctx) -> int:
@@ -57,7 +62,7 @@ def mode_after_truncate(mode: int, gid: int, ctx) -> int:
     if capable(ctx, CAP_FSETID):
         return mode
     mode &= ~stat.S_ISUID
-    if mode & stat.S_ISGID and (mode & stat.S_IXGRP or not in_group_or_capable(ctx, gid)):
+    if mode & stat.S_ISGID and (mode & stat.S_IXGRP or not in_group(ctx, gid)):
         mode &= ~stat.S_ISGID
     return mode
 

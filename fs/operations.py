@@ -84,9 +84,9 @@ class Handle:
     of: OpenFile
     writer: bool
     # Served uncached (``direct_io``): opened O_DIRECT, or write-only while space is low
-    # (WRITEBACK_HEADROOM). The kernel updates a file's mtime and
-    # ctime itself on a write() into its page cache and sends them with SETATTR; a direct
-    # write it leaves to this daemon.
+    # (WRITEBACK_HEADROOM). The kernel updates a file's mtime and ctime itself on a write()
+    # into its page cache and sends them with SETATTR; a direct write it leaves to this
+    # daemon.
     direct: bool = False
 
 
