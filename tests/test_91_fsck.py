@@ -135,6 +135,25 @@ def assert_repairs(data: Path, expected: set[str], capsys) -> str:
     return repaired
 
 
+def assert_recovers(data: Path, expected: set[str], capsys) -> str:
+    """What a daemon that did not stop cleanly leaves: fsck lists exactly ``expected`` and
+    says the next mount recovers it, but the filesystem is HEALTHY (exit 0); --repair does
+    the recovery now (exit 0) and a second fsck finds nothing. Returns the repair output."""
+    code, out, _ = fsck(data, capsys=capsys)
+    assert (code, kinds(out)) == (0, expected), out
+    found = len(KIND.findall(out)) - out.count("NOTE:")
+    assert "NOTE: the daemon did not stop cleanly: the next mount completes its recovery" in out
+    assert "Status: HEALTHY" in out and out.rstrip().endswith("is HEALTHY"), out
+    code, repaired, _ = fsck(data, "--repair", capsys=capsys)
+    assert code == 0, repaired
+    assert f"Repaired {found} of {found} problems; 0 left." in repaired
+    assert "not repaired" not in repaired and repaired.rstrip().endswith("is HEALTHY"), repaired
+    code, out, _ = fsck(data, capsys=capsys)
+    assert (code, kinds(out)) == (0, set()), out
+    assert "did not stop cleanly" not in out
+    return repaired
+
+
 def inode_at(data: Path, path: str) -> Inode:
     ns = Namespace.open(data / "namespace", readonly=True)
     try:
@@ -414,7 +433,7 @@ def test_pending_trash(plain, capsys):
         txn.put(u64(1073742001), schema.trash_value(rec.gs, (2,)), db=db("trash"))
     code, out, _ = fsck(plain, capsys=capsys)
     assert "Orphan replicas:\t0" in out       # trashed files are not orphans
-    assert_repairs(plain, {"TRASH_PENDING"}, capsys)
+    assert_recovers(plain, {"TRASH_PENDING"}, capsys)
     assert not any(p.exists() for p in files)
 
 
@@ -559,11 +578,10 @@ def test_lease_left_by_a_killed_daemon(plain, tmp_path, capsys):
         except OSError:
             pass       # the daemon is gone; the kernel may report it
     code, out, _ = fsck(plain, capsys=capsys)
-    assert kinds(out) == {"LEASE_PENDING", "ORPHAN_PENDING", "UNCLEAN_STATE"}, out
     assert "/w: lease left by a dead daemon" in out
     assert f"ORPHAN_PENDING: <inode {gone}>: unlinked inode left by a dead daemon" in out
-    code, out, _ = fsck(plain, "--repair", capsys=capsys)
-    assert code == 1 and out.rstrip().endswith("is HEALTHY"), out
+    assert_recovers(plain, {"LEASE_PENDING", "ORPHAN_PENDING", "UNCLEAN_STATE"},
+                    capsys)
     assert fsck_process(plain).returncode == 0
     mount = Mount(plain, tmp_path / "mnt").start()
     try:
@@ -758,8 +776,26 @@ def rewrite_fields(inode: Inode, **fields) -> Inode:
     return inode
 
 
+def test_orphan_left_by_a_dead_daemon_is_pending_recovery(plain, capsys):
+    nodes = {p: inode_at(plain, p) for p in ("/", "/x")}
+    with namespace_rows(plain) as (db, txn):
+        damage_orphan_left_by_dead_daemon(nodes, txn, db)
+    assert_recovers(plain, {"ORPHAN_PENDING"}, capsys)
+
+
+def test_pending_recovery_does_not_hide_damage(plain, capsys):
+    nodes = {p: inode_at(plain, p) for p in ("/", "/x", "/big")}
+    with namespace_rows(plain) as (db, txn):
+        damage_orphan_left_by_dead_daemon(nodes, txn, db)
+        damage_block_past_end_of_file(nodes, txn, db)
+    code, out, _ = fsck(plain, capsys=capsys)
+    assert (code, kinds(out)) == (1, {"ORPHAN_PENDING", "BLOCK_PAST_EOF"}), out
+    assert out.rstrip().endswith("is CORRUPT"), out
+    code, out, _ = fsck(plain, "--repair", capsys=capsys)
+    assert code == 1 and out.rstrip().endswith("is HEALTHY"), out
+
+
 @pytest.mark.parametrize("damage, expected", [
-    (damage_orphan_left_by_dead_daemon, {"ORPHAN_PENDING"}),
     (damage_orphan_with_nlink, {"ORPHAN_NLINK"}),
     (damage_missing_cookie_row, {"MISSING_COOKIE"}),
     (damage_cookie_row_names_another_inode, {"MISSING_COOKIE"}),

@@ -97,10 +97,13 @@ Output
 Exit codes
     0 healthy (notes are not problems; neither are under-, over-replicated or mis-placed
     blocks: HDFS's fsck calls a filesystem with them HEALTHY, since the replication monitor
-    and the satisfier restore them while data stays readable); 1 problems found, including
-    with ``--repair`` when every one was repaired (like e2fsck's "errors corrected"; the last
-    line then says HEALTHY, and a second fsck exits 0 unless blocks were lost), but not when
-    ``--repair`` only re-replicated or removed excess replicas; 2 usage or cannot run (DATA
+    and the satisfier restore them while data stays readable; nor is the recovery a daemon
+    that did not stop cleanly left, ``LEASE_PENDING``, ``ORPHAN_PENDING``, ``TRASH_PENDING``
+    and ``UNCLEAN_STATE``: the next mount does it before serving anything, and a note says
+    so); 1 problems found, including with ``--repair`` when every one was repaired (like
+    e2fsck's "errors corrected"; the last line then says HEALTHY, and a second fsck exits 0
+    unless blocks were lost), but not when ``--repair`` only re-replicated, removed excess
+    replicas or finished that recovery; 2 usage or cannot run (DATA
     is not a tierfs filesystem, the namespace is unreadable, a volume is missing or foreign,
     PATH does not exist, ``--repair`` on a mounted filesystem), one line on stderr; 130
     interrupted (Ctrl-C stops cleanly between two steps).

@@ -320,31 +320,40 @@ class _Checker:
                              ("raise_counter", name, minimum))
 
     def check_pending(self) -> None:
-        """Leases, orphans and trash: in use beside a daemon, recovery work without one."""
+        """Leases, orphans and trash: in use beside a daemon; without one, recovery work that
+        the next mount does before it serves anything (``tierfs.fs.recovery``). A stop by
+        kill -9 or a crash leaves it, and loses nothing by it, so it is reported but leaves
+        the filesystem HEALTHY, as HDFS's fsck treats files still open for writing."""
         snap = self.snap
+        pending = []
         for ino in sorted(snap.leases):
             if self.mounted:
                 self.note(f"{snap.path_of(ino)}: open for writing (lease held)")
             else:
-                self.problem("LEASE_PENDING", snap.path_of(ino), "lease left by a dead "
-                             "daemon: needs lease recovery", (ino,), ("recover_lease", ino))
+                pending.append(("LEASE_PENDING", snap.path_of(ino), "lease left by a dead "
+                                "daemon: needs lease recovery", (ino,), ("recover_lease", ino)))
         for ino in sorted(snap.orphans & snap.inodes.keys()):
             if snap.links.get(ino) or snap.inodes[ino].nlink:
                 continue
             if self.mounted:
                 self.note(f"<inode {ino}>: unlinked but still open (orphan in use)")
             else:
-                self.problem("ORPHAN_PENDING", f"<inode {ino}>", "unlinked inode left by a "
-                             "dead daemon: to purge", (ino,), ("purge", ino))
+                pending.append(("ORPHAN_PENDING", f"<inode {ino}>", "unlinked inode left by "
+                                "a dead daemon: to purge", (ino,), ("purge", ino)))
         if snap.trash:
             if self.mounted:
                 self.note(f"{len(snap.trash)} dropped blocks waiting for file deletion")
             else:
-                self.problem("TRASH_PENDING", "trash", f"{len(snap.trash)} dropped blocks "
-                             "still have replica files to delete", (), ("delete_trash",))
+                pending.append(("TRASH_PENDING", "trash", f"{len(snap.trash)} dropped blocks "
+                                "still have replica files to delete", (), ("delete_trash",)))
         if not self.mounted and snap.state != "clean":
-            self.problem("UNCLEAN_STATE", "meta", f"state is '{snap.state}' but no daemon "
-                         "runs (not unmounted cleanly)", (), ("set_clean",))
+            pending.append(("UNCLEAN_STATE", "meta", f"state is '{snap.state}' but no daemon "
+                            "runs (not unmounted cleanly)", (), ("set_clean",)))
+        for kind, where, message, key, action in pending:
+            self.problem(kind, where, message, key, action, recovery=True)
+        if pending:
+            self.note("the daemon did not stop cleanly: the next mount completes its recovery "
+                      "(the lines above) by itself, or fsck --repair does it now")
 
     # ----------------------------------------------------------------- volumes and files
 

@@ -16,7 +16,9 @@ class Problem:
     """One thing wrong. ``action`` is ``(name, *args)`` for the repairer, None if fsck
     cannot repair it; ``key`` identifies it across two checks (mounted re-check, repair
     passes). ``health`` False: a replication or placement finding, which leaves the
-    filesystem HEALTHY and is printed in HDFS's style; ``work``: bytes its fix copies."""
+    filesystem HEALTHY and is printed in HDFS's style; ``recovery``: work that a daemon which
+    did not stop cleanly left for the next mount, which does it by itself: printed like any
+    problem, but it leaves the filesystem HEALTHY; ``work``: bytes its fix copies."""
 
     kind: str
     where: str
@@ -26,6 +28,7 @@ class Problem:
     outcome: str | None = None
     repaired: bool = False
     health: bool = True
+    recovery: bool = False
     work: int = 0
 
     def line(self) -> str:
@@ -72,8 +75,9 @@ class FsckReport:
 
     @property
     def healthy(self) -> bool:
-        """No problem but replication and placement findings (the exit code's rule)."""
-        return not any(p.health for p in self.problems)
+        """No problem but replication and placement findings and pending recovery (the exit
+        code's rule)."""
+        return not any(p.health and not p.recovery for p in self.problems)
 
     def kinds(self) -> set[str]:
         return {p.kind for p in self.problems}
