@@ -423,6 +423,21 @@ def test_tmp_leftover(plain, capsys):
     assert not list((plain / "ssd" / "tmp").iterdir())
 
 
+def test_what_a_crash_leaves_on_the_volumes_is_pending_recovery(plain, tmp_path, capsys):
+    """After an unclean stop, block files written but not yet recorded and half-done moves
+    are what the next mount's scan removes; the same files after a clean stop are damage."""
+    leaf = replica_files(plain / "disk", blocks_at(plain, "/x")[0].block_id)[0].parent
+    stray = [leaf / "blk_1073742000", leaf / "blk_1073742000_1500.meta"]
+    for path in stray:
+        path.write_bytes(b"written before the crash")
+    (plain / "ssd" / "tmp" / "blk_99.copy").write_bytes(b"half a move")
+    with namespace_rows(plain) as (db, txn):
+        txn.put(b"state", schema.pack_meta("mounted"), db=db("meta"))
+    assert_recovers(plain, {"ORPHAN_REPLICA", "TMP_LEFTOVER", "UNCLEAN_STATE"}, capsys)
+    assert not any(p.exists() for p in stray)
+    assert not list((plain / "ssd" / "tmp").iterdir())
+
+
 def test_pending_trash(plain, capsys):
     rec = blocks_at(plain, "/x")[0]
     leaf = replica_files(plain / "disk", rec.block_id)[0].parent

@@ -98,9 +98,9 @@ Exit codes
     0 healthy (notes are not problems; neither are under-, over-replicated or mis-placed
     blocks: HDFS's fsck calls a filesystem with them HEALTHY, since the replication monitor
     and the satisfier restore them while data stays readable; nor is the recovery a daemon
-    that did not stop cleanly left, ``LEASE_PENDING``, ``ORPHAN_PENDING``, ``TRASH_PENDING``
-    and ``UNCLEAN_STATE``: the next mount does it before serving anything, and a note says
-    so); 1 problems found, including with ``--repair`` when every one was repaired (like
+    that did not stop cleanly left, ``LEASE_PENDING``, ``ORPHAN_PENDING``, ``TRASH_PENDING``,
+    ``UNCLEAN_STATE`` and, after such a stop, ``ORPHAN_REPLICA`` and ``TMP_LEFTOVER``: the
+    next mount does it before serving anything, and a note says so); 1 problems found, including with ``--repair`` when every one was repaired (like
     e2fsck's "errors corrected"; the last line then says HEALTHY, and a second fsck exits 0
     unless blocks were lost), but not when ``--repair`` only re-replicated, removed excess
     replicas or finished that recovery; 2 usage or cannot run (DATA

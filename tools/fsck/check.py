@@ -319,6 +319,13 @@ class _Checker:
                              f"must be at least {minimum}", (name,),
                              ("raise_counter", name, minimum))
 
+    @property
+    def unclean(self) -> bool:
+        """No daemon runs, and the last one did not stop cleanly: replica files it had
+        written but not yet recorded, and its half-done moves, are what a crash leaves, and
+        the next mount's volume scan removes them (``tierfs.fs.recovery``)."""
+        return not self.mounted and self.snap.state != "clean"
+
     def check_pending(self) -> None:
         """Leases, orphans and trash: in use beside a daemon; without one, recovery work that
         the next mount does before it serves anything (``tierfs.fs.recovery``). A stop by
@@ -603,7 +610,8 @@ class _Checker:
             return
         self.report.stats.orphan_replicas += 1
         self.problem("ORPHAN_REPLICA", str(volume.path), f"{text} ({', '.join(paths)})",
-                     (volume.id, bid, *paths), ("delete_paths", volume.id, bid, paths))
+                     (volume.id, bid, *paths), ("delete_paths", volume.id, bid, paths),
+                     recovery=self.unclean)
 
     def _check_tmp(self, volume: Volume) -> None:
         try:
@@ -616,7 +624,7 @@ class _Checker:
             else:
                 self.problem("TMP_LEFTOVER", str(volume.tmp_dir), f"{name} left by an "
                              "interrupted move", (volume.id, name),
-                             ("clear_tmp", volume.id, name))
+                             ("clear_tmp", volume.id, name), recovery=self.unclean)
 
 
 def _newest_ctime(paths: list[str]) -> float:
