@@ -32,6 +32,7 @@ import trio
 from tierfs.fs import caller
 from tierfs.fs.blockio import BlockIO, OpenFile
 from tierfs.fs.errors import OUT_OF_DESCRIPTORS, FsError, LimitError
+from tierfs.fs.lograte import RepeatedWarnings
 from tierfs.fs.namespace import NAME_MAX, Namespace
 from tierfs.fs.policy_xattrs import PolicyXattrs, is_policy_xattr
 from tierfs.fs.schema import ROOT_INO, Inode
@@ -59,18 +60,20 @@ READDIR_BATCH = 256  # entries read from the namespace at a time; a READDIRPLUS 
 
 
 def handler(fn):
-    """Turn domain errors into FUSEError; log bugs loudly and answer EIO."""
+    """Turn domain errors into FUSEError; log bugs loudly and answer EIO. A request that
+    failed for want of room, descriptors or working storage is logged as a warning, each
+    distinct message at most once a minute: a user's loop can repeat it without end."""
 
     @functools.wraps(fn)
-    async def wrapper(*args, **kwargs):
+    async def wrapper(self, *args, **kwargs):
         try:
-            return await fn(*args, **kwargs)
+            return await fn(self, *args, **kwargs)
         except pyfuse3.FUSEError:
             raise
         except FsError as exc:
             if (exc.errno in (errno.EIO, errno.ENOSPC, *OUT_OF_DESCRIPTORS)
                     and not isinstance(exc, LimitError)):
-                log.warning("%s: %s", fn.__name__, exc)
+                self.failures.warning(f"{fn.__name__}: {exc}")
             raise pyfuse3.FUSEError(exc.errno) from None
         except Exception:
             log.exception("BUG in %s handler", fn.__name__)
@@ -120,6 +123,7 @@ class Operations(pyfuse3.Operations):
         self.policy_xattrs = PolicyXattrs(ns, resolver, blockio.volumes, self._blocks_of)
         self.blockio = blockio
         self.statfs_source = statfs_source
+        self.failures = RepeatedWarnings(log)
         self.lookups: dict[int, int] = {ROOT_INO: 1}
         self.handles: dict[int, Handle] = {}
         self.dir_handles: dict[int, DirHandle] = {}

@@ -921,7 +921,8 @@ def test_a_full_volume_fails_the_write_itself_not_only_the_close(tmp_path, make_
     the size is what was stored, and nothing turns into zeros. Through the page cache,
     ``echo x > f`` exited 0 with the data lost, stat showed the size the kernel assumed,
     and a later append made the lost bytes a hole of zeros for good."""
-    mnt = make_mount("--volume", f"DISK:{tmp_path}/small:8M", "--block-size", "1M").mountpoint
+    mount = make_mount("--volume", f"DISK:{tmp_path}/small:8M", "--block-size", "1M")
+    mnt = mount.mountpoint
     src = tmp_path / "src"
     src.write_bytes(os.urandom(16 << 20))
     r = run(["dd", f"if={src}", f"of={mnt}/big", "bs=1M"])
@@ -929,6 +930,19 @@ def test_a_full_volume_fails_the_write_itself_not_only_the_close(tmp_path, make_
     stored = (mnt / "big").stat().st_size
     assert 0 < stored < (8 << 20) and stored % (1 << 20) == 0
     assert (mnt / "big").read_bytes() == src.read_bytes()[:stored]
+
+    # A loop that keeps trying gets ENOSPC every time, but the log says so once a minute.
+    fd = os.open(mnt / "big", os.O_WRONLY | os.O_APPEND)
+    try:
+        for _ in range(50):
+            with pytest.raises(OSError) as caught:
+                os.write(fd, b"x" * 4096)
+            assert caught.value.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    full = [line for line in mount.log_text().splitlines()
+            if "WARNING" in line and "write: no volume allowed" in line]
+    assert len(full) == 1, full
 
     r = run(["bash", "-c", f"echo hello > {mnt}/log"])
     assert r.returncode != 0 and "No space left on device" in r.stderr, r.stderr
