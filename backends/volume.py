@@ -125,7 +125,7 @@ class Volume:
             created = _prepare_empty_dir(path)
             os.makedirs(path / "current" / "finalized")
             os.mkdir(path / "tmp")
-            _fsync_dir(path / "current")
+            fsync_dir(path / "current")
             volume_uuid = str(uuidlib.uuid4())
             identity = {
                 "layout_version": LAYOUT_VERSION,
@@ -136,7 +136,7 @@ class Volume:
             }
             _write_durably(path / IDENTITY_FILE, json.dumps(identity, indent=2).encode() + b"\n")
             if created:
-                _fsync_dir(path.parent)
+                fsync_dir(path.parent)
         except OSError as e:
             raise VolumeError(f"cannot format volume {path}: {e.strerror or e}", _errno(e)) from e
         return cls(
@@ -225,7 +225,7 @@ class Volume:
                 made.append(p)
             data_fd, meta_fd = fds
             os.pwrite(meta_fd, header, 0)
-            _fsync_dir(leaf)
+            fsync_dir(leaf)
         except OSError as e:
             _abandon(fds, made)
             if isinstance(e, FileExistsError):
@@ -348,7 +348,7 @@ class Volume:
             self._ensure_leaf(leaf)
             os.rename(data_src, data_path)
             os.rename(meta_src, meta_path)
-            _fsync_dir(leaf)
+            fsync_dir(leaf)
         except OSError as e:
             raise VolumeError(
                 f"cannot install replica blk_{block_id}_{gs} on volume {self.path}: {e.strerror or e}",
@@ -447,10 +447,10 @@ class Volume:
             for d in (outer, leaf):
                 if not os.path.isdir(d):
                     os.mkdir(d)
-                    _fsync_dir(os.path.dirname(d))
+                    fsync_dir(os.path.dirname(d))
 
     def _fsync_dir(self, path) -> None:
-        _fsync_dir(path)
+        fsync_dir(path)
 
     def _charge(self, delta: int) -> None:
         """Adjust used bytes for files changed outside an open Replica."""
@@ -594,7 +594,7 @@ def _scandir(path: str) -> list[os.DirEntry]:
         return []
 
 
-def _fsync_dir(path) -> None:
+def fsync_dir(path) -> None:
     """fsync a directory, making its entries (new, renamed) durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -623,7 +623,7 @@ def _write_durably(path: Path, content: bytes) -> None:
     finally:
         os.close(fd)
     os.rename(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _unlink_all(paths: list[str]) -> int:

@@ -37,6 +37,10 @@ MAX_MAP_SIZE = 1 << 40
 # Below this much free space on the namespace's disk, a failed write is taken for a full
 # disk: LMDB writes a commit's dirty pages (a few to a few hundred KiB) in one go.
 NEARLY_FULL_BYTES = 16 << 20
+MAX_READERS = 256
+# The size LMDB gives its lock file: a 192-byte header holding the first reader slot, and
+# 64 bytes for each other (measured with py-lmdb's LMDB: 1 reader 192, 256 readers 16,512).
+LOCK_FILE_BYTES = (MAX_READERS - 1) * 64 + 192
 # Block ids and generation stamps are reserved from the durable counters in batches so a
 # new block costs one transaction; skipped numbers are simply never used. Each batch is
 # synced before use: numbers handed out reach replica files (names, meta headers) on disk,
@@ -116,6 +120,8 @@ class Namespace:
 
     @staticmethod
     def _open_env(path: Path, readonly: bool) -> lmdb.Environment:
+        if not readonly:
+            _allocate_lock_file(path / "lock.mdb")
         size = INITIAL_MAP_SIZE
         data = path / "data.mdb"
         if data.exists():
@@ -124,40 +130,53 @@ class Namespace:
         # not valid UTF-8 (surrogate-escaped by Python) cannot be.
         return lmdb.open(os.fsencode(path), map_size=size, max_dbs=len(schema.DATABASES) + 2,
                          subdir=True, readonly=readonly, sync=False, metasync=False,
-                         readahead=False, max_readers=256, lock=True)
+                         readahead=False, max_readers=MAX_READERS, lock=True)
 
     @classmethod
     def create(cls, path: Path, config: FsConfig, *, uid: int, gid: int, now_ns: int,
                root_mode: int = 0o755) -> "Namespace":
         """Write a new namespace: configuration, counters and the root directory."""
+        try:
+            return cls._create(path, config, uid=uid, gid=gid, now_ns=now_ns,
+                               root_mode=root_mode)
+        except lmdb.Error as exc:
+            raise lmdb_failure(path, exc) from None
+
+    @classmethod
+    def _create(cls, path: Path, config: FsConfig, *, uid: int, gid: int, now_ns: int,
+                root_mode: int) -> "Namespace":
         path.mkdir(parents=True, exist_ok=True)
         env = cls._open_env(path, readonly=False)
-        with env.begin(write=True) as txn:
-            meta = env.open_db(b"meta", txn=txn)
-            if txn.get(b"fs_uuid", db=meta) is not None:
-                raise FsError(errno.EEXIST, f"{path} already holds a tierfs namespace")
-            values = {
-                "fs_uuid": config.fs_uuid, "layout_version": schema.LAYOUT_VERSION,
-                "block_size": config.block_size,
-                "bytes_per_checksum": config.bytes_per_checksum,
-                "replication": config.replication, "default_policy": config.default_policy,
-                "rename_mode": config.rename_mode, "state": "clean",
-                "volumes": [v.to_dict() for v in config.volumes],
-            }
-            for key, value in values.items():
-                txn.put(key.encode(), schema.pack_meta(value), db=meta)
-            for key, first in schema.COUNTERS.items():
-                txn.put(key.encode(), u64(first), db=meta)
-        ns = cls(path, env, readonly=False)
-        root = Inode(ROOT_INO, stat.S_IFDIR | root_mode, uid, gid, 2, 0, 0,
-                     now_ns, now_ns, now_ns, ROOT_INO)
+        try:
+            with env.begin(write=True) as txn:
+                meta = env.open_db(b"meta", txn=txn)
+                if txn.get(b"fs_uuid", db=meta) is not None:
+                    raise FsError(errno.EEXIST, f"{path} already holds a tierfs namespace")
+                values = {
+                    "fs_uuid": config.fs_uuid, "layout_version": schema.LAYOUT_VERSION,
+                    "block_size": config.block_size,
+                    "bytes_per_checksum": config.bytes_per_checksum,
+                    "replication": config.replication, "default_policy": config.default_policy,
+                    "rename_mode": config.rename_mode, "state": "clean",
+                    "volumes": [v.to_dict() for v in config.volumes],
+                }
+                for key, value in values.items():
+                    txn.put(key.encode(), schema.pack_meta(value), db=meta)
+                for key, first in schema.COUNTERS.items():
+                    txn.put(key.encode(), u64(first), db=meta)
+            ns = cls(path, env, readonly=False)
+            root = Inode(ROOT_INO, stat.S_IFDIR | root_mode, uid, gid, 2, 0, 0,
+                         now_ns, now_ns, now_ns, ROOT_INO)
 
-        def body(w: _Write) -> None:
-            w.txn.put(u64(ROOT_INO), root.pack(), db=ns.db["inodes"])
+            def body(w: _Write) -> None:
+                w.txn.put(u64(ROOT_INO), root.pack(), db=ns.db["inodes"])
 
-        ns._mutate(Op.MKFS, (config.fs_uuid,), body)
-        ns.sync()
-        return ns
+            ns._mutate(Op.MKFS, (config.fs_uuid,), body)
+            ns.sync()
+            return ns
+        except BaseException:
+            env.close()
+            raise
 
     @classmethod
     def open(cls, path: Path, *, readonly: bool = False) -> "Namespace":
@@ -167,6 +186,9 @@ class Namespace:
             env = cls._open_env(path, readonly)
         except lmdb.Error as exc:
             raise FsError(errno.EIO, f"cannot open namespace {path}: {exc}") from None
+        except OSError as exc:
+            raise FsError(exc.errno or errno.EIO, f"cannot open namespace {path}: "
+                          f"{exc.strerror or exc}") from None
         return cls(path, env, readonly)
 
     def close(self) -> None:
@@ -234,20 +256,7 @@ class Namespace:
         log.info("namespace map grown to %d MiB", size * 2 >> 20)
 
     def _lmdb_error(self, exc: lmdb.Error) -> FsError:
-        """ENOSPC when the namespace's disk is full, else EIO (logged). LMDB reports a write
-        cut short by a full disk as EIO, so the disk's free space tells the two apart."""
-        text = str(exc)
-        if "No space" in text or "ENOSPC" in text or self._disk_nearly_full():
-            return FsError(errno.ENOSPC, "no space left for the namespace")
-        log.error("namespace I/O error: %s", text)
-        return FsError(errno.EIO, f"namespace error: {text}")
-
-    def _disk_nearly_full(self) -> bool:
-        try:
-            st = os.statvfs(self.path)
-        except OSError:
-            return False
-        return st.f_bavail * st.f_frsize < NEARLY_FULL_BYTES
+        return lmdb_failure(self.path, exc)
 
     def _take(self, txn: lmdb.Transaction, counter: str, count: int = 1) -> int:
         """Advance a durable counter by ``count``; returns its value before the advance."""
@@ -1121,3 +1130,41 @@ def new_session_id() -> bytes:
 
 def now_ns() -> int:
     return time.time_ns()
+
+
+def lmdb_failure(path: Path, exc: lmdb.Error) -> FsError:
+    """ENOSPC when the namespace's disk is full, else EIO (logged). LMDB reports a write cut
+    short by a full disk as EIO, so the disk's free space tells the two apart."""
+    text = str(exc)
+    if "No space" in text or "ENOSPC" in text or _disk_nearly_full(path):
+        return FsError(errno.ENOSPC, "no space left for the namespace")
+    log.error("namespace I/O error: %s", text)
+    return FsError(errno.EIO, f"namespace error: {text}")
+
+
+def _disk_nearly_full(path: Path) -> bool:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < NEARLY_FULL_BYTES
+
+
+def _allocate_lock_file(path: Path) -> None:
+    """Give LMDB's lock file all its disk space before LMDB maps it.
+
+    LMDB makes the lock file (its table of readers) with ``ftruncate``, a sparse file, and
+    writes it through a shared mapping: a reader slot first used while the disk is full is a
+    page that cannot be allocated, and the process dies of SIGBUS (mkfs on a nearly full
+    tmpfs did). Allocated here, the same lack of room is an ENOSPC from
+    ``posix_fallocate``. The size is never changed from what LMDB chose (a lock file it
+    made keeps its size; a new one gets the size LMDB would give it): LMDB sizes its table
+    of readers by the file, and processes sharing it must agree."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        st = os.fstat(fd)
+        size = st.st_size or LOCK_FILE_BYTES
+        if st.st_blocks * 512 < size:
+            os.posix_fallocate(fd, 0, size)
+    finally:
+        os.close(fd)

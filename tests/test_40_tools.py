@@ -1020,6 +1020,44 @@ def test_mkfs_refuses_a_zero_block_size_and_a_volume_smaller_than_a_block(tmp_pa
     assert r.returncode == 0, r.stderr
 
 
+def test_mkfs_on_a_disk_that_fills_leaves_nothing_half_made(tmp_path):
+    """Whatever step runs out of room (a volume's layout, its identity file, the namespace's
+    pages, LMDB's lock file), mkfs says so in one line and leaves no part of a filesystem,
+    so that it can simply be run again. It crashed with SIGBUS (LMDB's mapped lock
+    file on a full tmpfs) or with a traceback, and a namespace cut short made every later
+    mkfs answer "already holds a tierfs filesystem"."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
+    try:
+        outcomes = set()
+        for free_pages in range(24, -1, -1):  # mkfs needed 20 pages (kernel 6.18)
+            filler = disk / "filler"
+            filler.write_bytes(b"")
+            while os.statvfs(disk).f_bavail > free_pages:
+                with open(filler, "ab") as f:
+                    f.write(b"\0" * 4096)
+            data = disk / "data"
+            r = tierfs("mkfs", str(data))
+            assert "Traceback" not in r.stderr and r.returncode in (0, 1), (free_pages, r)
+            if r.returncode == 1:
+                assert len(r.stderr.splitlines()) == 1, r.stderr
+                assert "No space left on device" in r.stderr or "no space left" in r.stderr
+                assert not data.exists(), list(data.rglob("*"))
+            else:
+                assert run_tool("fsck", str(data)).returncode == 0
+            outcomes.add(r.returncode)
+            subprocess.run(["rm", "-rf", str(data), str(filler)], check=True)
+        assert outcomes == {0, 1}
+        # What a crash during an earlier mkfs leaves does not stop the next.
+        (data / "namespace.partial").mkdir(parents=True)
+        (data / "namespace.partial" / "data.mdb").write_bytes(b"cut short")
+        assert tierfs("mkfs", str(data)).returncode == 0
+        assert sorted(p.name for p in data.iterdir()) == ["archive", "disk", "namespace", "ssd"]
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
 def test_umount_through_a_symlink_and_timeout_usage(mounted, tmp_path):
     mnt = mounted.mountpoint
     for timeout in ("0", "-5", "nan"):

@@ -7,6 +7,7 @@ an empty data directory: ``DATA/ssd`` (SSD), ``DATA/disk`` (DISK), ``DATA/archiv
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -17,13 +18,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierfs.backends.storage_types import StorageType
-from tierfs.backends.volume import FOREIGN_BUT_EMPTY, Volume, check_volume_dir
+from tierfs.backends.volume import (FOREIGN_BUT_EMPTY, IDENTITY_FILE, Volume, check_volume_dir,
+                                     fsync_dir)
 from tierfs.fs.errors import FsError, UsageError
 from tierfs.fs.inherited import RenameMode
 from tierfs.fs.namespace import FsConfig, Namespace, VolumeConfig
 from tierfs.satisfier.policies import PolicySuite
 
 NAMESPACE_DIR = "namespace"
+# mkfs writes the namespace here and renames it to NAMESPACE_DIR when it is whole, so that a
+# mkfs cut short (a full disk, a crash) never leaves something that looks like a filesystem.
+PARTIAL_NAMESPACE_DIR = NAMESPACE_DIR + ".partial"
 # Chosen by measurement (README, "Block size and checksum chunk"): 64 MiB blocks keep a
 # 1 GiB file at 16 namespace records while a block move stays well under a second; 4 KiB
 # checksum chunks make a 4 KiB random read verify exactly one chunk.
@@ -33,6 +38,9 @@ DEFAULT_LAYOUT = (("ssd", StorageType.SSD), ("disk", StorageType.DISK),
                   ("archive", StorageType.ARCHIVE))
 # In the background mount.tierfs logs here, from before it formats an empty DATA.
 DAEMON_LOG = "tierfs.log"
+
+# What Volume.format makes in a volume directory, and so what a failed mkfs removes there.
+VOLUME_LAYOUT = frozenset({"current", "tmp", IDENTITY_FILE, IDENTITY_FILE + ".tmp"})
 
 _SIZE = re.compile(r"^(\d+)([KMGTP]?)(I?B)?$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
@@ -85,7 +93,7 @@ def check_empty(data_dir: Path, volumes: list[VolumeSpec]) -> None:
     if not data_dir.is_dir():
         return
     volume_paths = {os.path.realpath(v.path) for v in volumes}
-    allowed = FOREIGN_BUT_EMPTY | {DAEMON_LOG}
+    allowed = FOREIGN_BUT_EMPTY | {DAEMON_LOG, PARTIAL_NAMESPACE_DIR}
     if any(name not in allowed and os.path.realpath(data_dir / name) not in volume_paths
            for name in os.listdir(data_dir)):
         raise FsError(errno.ENOTEMPTY, f"{data_dir} is neither empty nor a tierfs filesystem")
@@ -102,6 +110,7 @@ def make_filesystem(data_dir: Path, volumes: list[VolumeSpec] | None = None, *,
     volumes = volumes or default_volumes(data_dir)
     _validate(data_dir, volumes, block_size, bytes_per_checksum, replication, rename_mode)
     policy = PolicySuite().get(default_policy)  # ValueError for an unknown name
+    made_data_dir = not data_dir.exists()
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -109,25 +118,45 @@ def make_filesystem(data_dir: Path, volumes: list[VolumeSpec] | None = None, *,
                       f"cannot create {data_dir}: {exc.strerror or exc}") from None
     fs_uuid = str(uuidlib.uuid4())
     configs = []
-    made: list[Path] = []
+    made: list[tuple[str, bool]] = []   # volume directories touched: (path, existed)
     try:
         for volume_id, spec in enumerate(volumes, start=1):
-            existed = os.path.exists(spec.path)
+            # Recorded first: a format cut short (a full disk) leaves files to undo too.
+            made.append((os.path.abspath(spec.path), os.path.exists(spec.path)))
             vol = Volume.format(spec.path, fs_uuid=fs_uuid, volume_id=volume_id,
                                 storage_type=spec.storage_type, capacity=spec.capacity)
-            made.append((vol.path, existed))
             configs.append(VolumeConfig(volume_id, vol.uuid, spec.storage_type.name,
                                         _recorded_path(data_dir, vol.path), spec.capacity))
         config = FsConfig(fs_uuid=fs_uuid, block_size=block_size,
                           bytes_per_checksum=bytes_per_checksum, replication=replication,
                           default_policy=policy.name, rename_mode=rename_mode, volumes=configs)
-        ns = Namespace.create(data_dir / NAMESPACE_DIR, config, uid=os.getuid(),
-                              gid=os.getgid(), now_ns=time.time_ns())
-        ns.close()
+        _write_namespace(data_dir, config)
     except BaseException:
         _undo_volumes(made)
+        if made_data_dir:
+            with contextlib.suppress(OSError):
+                data_dir.rmdir()
         raise
     return config
+
+
+def _write_namespace(data_dir: Path, config: FsConfig) -> None:
+    """Write the namespace beside its final place and rename it there once it is whole and
+    durable. What a failed or crashed attempt leaves is removed, here or by the next mkfs."""
+    partial = data_dir / PARTIAL_NAMESPACE_DIR
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        ns = Namespace.create(partial, config, uid=os.getuid(), gid=os.getgid(),
+                              now_ns=time.time_ns())
+        ns.close()
+        os.rename(partial, data_dir / NAMESPACE_DIR)
+        fsync_dir(data_dir)
+    except BaseException as exc:
+        shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(exc, OSError):
+            raise FsError(exc.errno or errno.EIO, f"cannot write the namespace in {data_dir}: "
+                          f"{exc.strerror or exc}") from None
+        raise
 
 
 def default_policy_warning(config: FsConfig) -> str | None:
@@ -149,14 +178,15 @@ def default_policy_warning(config: FsConfig) -> str | None:
 
 
 def _undo_volumes(made) -> None:
-    """A failed mkfs leaves no half-made volumes behind, so it can simply be run again."""
+    """A failed mkfs leaves no half-made volumes behind, so it can simply be run again. In a
+    directory that was there before, only what ``Volume.format`` makes is removed."""
     for path, existed in made:
-        if existed:
-            for entry in set(os.listdir(path)) - FOREIGN_BUT_EMPTY:
-                target = os.path.join(path, entry)
-                shutil.rmtree(target) if os.path.isdir(target) else os.unlink(target)
-        else:
+        if not existed:
             shutil.rmtree(path, ignore_errors=True)
+            continue
+        for entry in VOLUME_LAYOUT & set(os.listdir(path)):
+            target = os.path.join(path, entry)
+            shutil.rmtree(target) if os.path.isdir(target) else os.unlink(target)
 
 
 def _recorded_path(data_dir: Path, path: Path) -> str:
