@@ -682,12 +682,21 @@ class Namespace:
             self._unlinked(w, child, busy(child.ino))
 
     def rename(self, old_parent: int, old_name: bytes, new_parent: int, new_name: bytes,
-               flags: int, now_ns: int, *, busy: Callable[[int], bool]) -> int | None:
-        """rename(2) with RENAME_NOREPLACE and RENAME_EXCHANGE; returns a replaced inode."""
+               flags: int, now_ns: int, *, busy: Callable[[int], bool],
+               whiteout_owner: tuple[int, int] | None = None) -> int | None:
+        """rename(2) with RENAME_NOREPLACE, RENAME_EXCHANGE and RENAME_WHITEOUT; returns a
+        replaced inode.
+
+        RENAME_WHITEOUT (overlayfs's upper layer, fsstress) leaves a whiteout at the old
+        name in the same transaction: a character device 0:0 with mode 0, owned by
+        ``whiteout_owner`` (uid, gid), as ext4 makes it. The kernel has checked CAP_MKNOD."""
         check_name(new_name)
         noreplace = bool(flags & RENAME_NOREPLACE)
         exchange = bool(flags & RENAME_EXCHANGE)
-        if flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE) or (noreplace and exchange):
+        whiteout = bool(flags & RENAME_WHITEOUT)
+        if (flags & ~(RENAME_NOREPLACE | RENAME_EXCHANGE | RENAME_WHITEOUT)
+                or (exchange and (noreplace or whiteout))
+                or (whiteout and whiteout_owner is None)):
             raise FsError(errno.EINVAL, "unsupported rename flags")
 
         def body(w: _Write) -> int | None:
@@ -725,6 +734,12 @@ class Namespace:
             self._remove_dentry(txn, old_parent, old_name)
             self._add_dentry(txn, dst_dir, new_name, src.ino)
             self._apply_moved(w, src, plans)
+            if whiteout:
+                ino = self._take(txn, "next_ino")
+                self._put_inode(txn, Inode(ino, stat.S_IFCHR, *whiteout_owner, 1, 0, 0,
+                                           now_ns, now_ns, now_ns, old_parent))
+                self._add_dentry(txn, src_dir, old_name, ino)
+                w.args = (*w.args, ino, *whiteout_owner)
             if stat.S_ISDIR(src.mode) and dst_dir is not src_dir:
                 src_dir.nlink -= 1
                 dst_dir.nlink += 1
@@ -1122,6 +1137,7 @@ class Namespace:
 
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
+RENAME_WHITEOUT = 4
 
 
 def new_session_id() -> bytes:

@@ -33,7 +33,7 @@ from tierfs.fs import caller
 from tierfs.fs.blockio import BlockIO, OpenFile
 from tierfs.fs.errors import OUT_OF_DESCRIPTORS, FsError, LimitError
 from tierfs.fs.lograte import RepeatedWarnings
-from tierfs.fs.namespace import NAME_MAX, Namespace
+from tierfs.fs.namespace import NAME_MAX, RENAME_WHITEOUT, Namespace
 from tierfs.fs.policy_xattrs import PolicyXattrs, is_policy_xattr
 from tierfs.fs.schema import ROOT_INO, Inode
 from tierfs.fs.times import storable_time_ns
@@ -383,8 +383,12 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        whiteout_owner = None
+        if flags & RENAME_WHITEOUT:  # owned as a new node in the old directory would be
+            uid, gid, _ = self._new_owner(self.ns.get_inode(parent_inode_old), stat.S_IFCHR, ctx)
+            whiteout_owner = (uid, gid)
         self.ns.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags,
-                       time.time_ns(), busy=self._busy)
+                       time.time_ns(), busy=self._busy, whiteout_owner=whiteout_owner)
         self._after_unlink()
 
     # --- files -----------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from tierfs.fs.errors import FsError
 from tierfs.fs.namespace import (
     RENAME_EXCHANGE,
     RENAME_NOREPLACE,
+    RENAME_WHITEOUT,
     FsConfig,
     Namespace,
 )
@@ -412,6 +413,31 @@ def test_einval_rename_into_own_subtree(ns):
     assert ns.parent_chain(c) == [c, b, a, ROOT_INO]
 
 
+def test_rename_whiteout_leaves_a_whiteout_in_the_same_transaction(ns):
+    """overlayfs's whiteout: a character device 0:0, mode 0, at the old name, owned as
+    asked; one TxID, whose journal record names the new inode and its owner."""
+    f = mkfile(ns, ROOT_INO, b"a")
+    d = mkdir(ns, ROOT_INO, b"d")
+    before = ns.last_txid()
+    assert ns.rename(ROOT_INO, b"a", d, b"b", RENAME_WHITEOUT, NOW + 5, busy=never_busy,
+                     whiteout_owner=(1000, 100)) is None
+    assert ns.last_txid() == before + 1
+    whiteout = ns.lookup(ROOT_INO, b"a")
+    assert whiteout.ino > d and ns.lookup(d, b"b").ino == f
+    assert (whiteout.mode, whiteout.rdev, whiteout.uid, whiteout.gid, whiteout.nlink) == (
+        stat.S_IFCHR, 0, 1000, 100, 1)
+    assert whiteout.mtime_ns == whiteout.ctime_ns == NOW + 5
+    assert ns.parent_chain(whiteout.ino) == [whiteout.ino, ROOT_INO]
+    record = schema.parse_journal_record(journal(ns)[ns.last_txid()])
+    assert record == [Op.RENAME, ROOT_INO, b"a", d, b"b", RENAME_WHITEOUT, whiteout.ino,
+                      1000, 100]
+    # onto an existing name with RENAME_NOREPLACE: EEXIST, and no whiteout either
+    with raises_errno(errno.EEXIST):
+        ns.rename(d, b"b", ROOT_INO, b"a", RENAME_WHITEOUT | RENAME_NOREPLACE, NOW,
+                  busy=never_busy, whiteout_owner=(0, 0))
+    assert ns.lookup(d, b"b").ino == f and ns.last_txid() == before + 1
+
+
 def test_einval_rename_flags(ns):
     mkfile(ns, ROOT_INO, b"a")
     mkfile(ns, ROOT_INO, b"b")
@@ -420,7 +446,12 @@ def test_einval_rename_flags(ns):
         ns.rename(ROOT_INO, b"a", ROOT_INO, b"b", RENAME_NOREPLACE | RENAME_EXCHANGE, NOW,
                   busy=never_busy)
     with raises_errno(errno.EINVAL):
-        ns.rename(ROOT_INO, b"a", ROOT_INO, b"c", 4, NOW, busy=never_busy)  # RENAME_WHITEOUT
+        ns.rename(ROOT_INO, b"a", ROOT_INO, b"c", 8, NOW, busy=never_busy)  # unknown flag
+    with raises_errno(errno.EINVAL):  # needs an owner for the whiteout
+        ns.rename(ROOT_INO, b"a", ROOT_INO, b"c", RENAME_WHITEOUT, NOW, busy=never_busy)
+    with raises_errno(errno.EINVAL):
+        ns.rename(ROOT_INO, b"a", ROOT_INO, b"b", RENAME_WHITEOUT | RENAME_EXCHANGE, NOW,
+                  busy=never_busy, whiteout_owner=(0, 0))
     assert ns.last_txid() == before
     assert set(names(ns, ROOT_INO)) == {b"a", b"b"}
 

@@ -33,14 +33,16 @@ from hypothesis.stateful import (
 
 from tierfs.fs import schema
 from tierfs.fs.errors import FsError
-from tierfs.fs.namespace import RENAME_EXCHANGE, RENAME_NOREPLACE, FsConfig, Namespace
+from tierfs.fs.namespace import (RENAME_EXCHANGE, RENAME_NOREPLACE, RENAME_WHITEOUT, FsConfig,
+                                 Namespace)
 from tierfs.fs.schema import ROOT_INO, Inherited, Inode
 
 NAMES = [b"a", b"b", b"c", b"d", b"e"]
 NOW = 1_700_000_000_000_000_000
-DIR, FILE, LINK = "dir", "file", "symlink"
-MODE_TYPE = {DIR: stat.S_IFDIR, FILE: stat.S_IFREG, LINK: stat.S_IFLNK}
-FLAGS = [0, RENAME_NOREPLACE, RENAME_EXCHANGE, RENAME_NOREPLACE | RENAME_EXCHANGE]
+DIR, FILE, LINK, WHITEOUT = "dir", "file", "symlink", "whiteout"
+MODE_TYPE = {DIR: stat.S_IFDIR, FILE: stat.S_IFREG, LINK: stat.S_IFLNK, WHITEOUT: stat.S_IFCHR}
+FLAGS = [0, RENAME_NOREPLACE, RENAME_EXCHANGE, RENAME_NOREPLACE | RENAME_EXCHANGE,
+         RENAME_WHITEOUT, RENAME_WHITEOUT | RENAME_NOREPLACE, RENAME_WHITEOUT | RENAME_EXCHANGE]
 
 names_st = st.sampled_from(NAMES)
 perm_st = st.integers(0, 0o7777)
@@ -281,7 +283,7 @@ class NamespaceModel(RuleBasedStateMachine):
     def _predict_rename(self, old_parent, old_name, new_parent, new_name, flags):
         noreplace = bool(flags & RENAME_NOREPLACE)
         exchange = bool(flags & RENAME_EXCHANGE)
-        if noreplace and exchange:
+        if exchange and (noreplace or flags & RENAME_WHITEOUT):
             return errno.EINVAL
         src = self.children[old_parent].get(old_name)
         if src is None:
@@ -312,7 +314,8 @@ class NamespaceModel(RuleBasedStateMachine):
         err = self._predict_rename(old_parent, old_name, new_parent, new_name, flags)
         got = self._expect(err, lambda: self.ns.rename(old_parent, old_name, new_parent,
                                                         new_name, flags, self._tick(),
-                                                        busy=lambda ino: busy))
+                                                        busy=lambda ino: busy,
+                                                        whiteout_owner=(0, 0)))
         if err is not None:
             return err
         src = self.children[old_parent][old_name]
@@ -335,6 +338,14 @@ class NamespaceModel(RuleBasedStateMachine):
         self.children[new_parent][new_name] = src
         if self.kind[src] == DIR:
             self.dir_parent[src] = new_parent
+        if flags & RENAME_WHITEOUT:  # a new node at the old name, in the same transaction
+            whiteout = self.ns.lookup(old_parent, old_name)
+            assert whiteout.ino > self.max_ino, "inode number reused or not increasing"
+            assert (whiteout.rdev, whiteout.uid, whiteout.gid) == (0, 0, 0)
+            self.max_ino = whiteout.ino
+            self.children[old_parent][old_name] = whiteout.ino
+            self.kind[whiteout.ino] = WHITEOUT
+            self.perm[whiteout.ino] = 0
         if dst is not None and not self._dentries_of(dst):
             self._lost_last_link(dst, busy)
         return None

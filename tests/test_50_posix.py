@@ -60,6 +60,7 @@ libc.closedir.argtypes = [ctypes.c_void_p]
 AT_FDCWD = -100
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
+RENAME_WHITEOUT = 4
 UTIME_NOW = (1 << 30) - 1
 UTIME_OMIT = (1 << 30) - 2
 SYS_GETDENTS64 = 217  # x86_64
@@ -608,6 +609,104 @@ def test_rename_errors(mnt, ref):
         "dot": errno.EBUSY,
         "left": ["d", "empty", "f", "full", "g"],
     }
+
+
+def _whiteout_scenario(base: Path) -> dict:
+    write_file(base / "a", b"data")
+    os.mkdir(base / "d")
+    write_file(base / "d" / "x")
+    write_file(base / "taken")
+    os.mkdir(base / "shared")
+    os.chown(base / "shared", 0, 4242)
+    os.chmod(base / "shared", 0o2777)  # mkdir ignores S_ISGID in its mode
+    write_file(base / "shared" / "f")
+    os.chmod(base, 0o777)
+
+    def whiteout_info(path) -> tuple:
+        st = os.lstat(path)
+        return (stat.filemode(st.st_mode), st.st_rdev, st.st_nlink, st.st_uid, st.st_gid)
+
+    renameat2(base / "a", base / "b", RENAME_WHITEOUT)
+    renameat2(base / "d", base / "e", RENAME_WHITEOUT)
+    return {
+        "file": whiteout_info(base / "a"),
+        "moved file": read_file(base / "b"),
+        "dir": whiteout_info(base / "d"),
+        "moved dir": sorted(os.listdir(base / "e")),
+        "onto existing, noreplace": errno_of(renameat2, base / "b", base / "taken",
+                                             RENAME_WHITEOUT | RENAME_NOREPLACE),
+        "onto existing": errno_of(renameat2, base / "b", base / "taken", RENAME_WHITEOUT),
+        "with exchange": errno_of(renameat2, base / "e", base / "taken",
+                                  RENAME_WHITEOUT | RENAME_EXCHANGE),
+        "in a setgid directory": (errno_of(renameat2, base / "shared" / "f",
+                                           base / "shared" / "g", RENAME_WHITEOUT),
+                                  whiteout_info(base / "shared" / "f")),
+        "as another user": (user_errno(base, lambda: renameat2("taken", "t2", RENAME_WHITEOUT)),
+                            whiteout_info(base / "taken")),
+        "left": sorted(os.listdir(base)),
+    }
+
+
+def test_rename_whiteout_like_ext4(mnt, ref):
+    """RENAME_WHITEOUT (overlayfs's upper layer uses it; fsstress exercises it) leaves a
+    character device 0:0 at the old name, in the same step."""
+    r = both(mnt, ref, _whiteout_scenario)
+    assert r["file"] == r["dir"] == ("c---------", 0, 1, 0, 0)
+    assert r["moved file"] == b"data" and r["moved dir"] == ["x"]
+    assert r["in a setgid directory"] == (0, ("c---------", 0, 1, 0, 4242))
+    assert (r["onto existing, noreplace"], r["onto existing"], r["with exchange"]) == (
+        errno.EEXIST, 0, errno.EINVAL)
+    # Linux 5.8 lets anyone make a whiteout (it is no device); it is the caller's
+    assert r["as another user"] == (0, ("c---------", 0, 1, NOBODY, NOBODY))
+    assert r["left"] == ["a", "b", "d", "e", "shared", "t2", "taken"]
+
+
+def test_overlayfs_upper_layer_on_tierfs(mounted, tmp_path):
+    """overlayfs with its upper and work directories on tierfs: deletions become whiteouts
+    (RENAME_WHITEOUT, shared through hard links), a directory made again over a lower one
+    is opaque (trusted.overlay.opaque), and all of it outlives remounting both."""
+    lower, merged = tmp_path / "lower", tmp_path / "merged"
+    (lower / "ldir").mkdir(parents=True)
+    (lower / "ldir" / "old").write_bytes(b"lower")
+    (lower / "l1").write_bytes(b"one")
+    (lower / "l2").write_bytes(b"two")
+    merged.mkdir()
+    upper, work = mounted.mountpoint / "upper", mounted.mountpoint / "work"
+    upper.mkdir()
+    work.mkdir()
+    options = f"lowerdir={lower},upperdir={upper},workdir={work}"
+
+    def overlay(action: str) -> None:
+        args = ["mount", "-t", "overlay", "overlay", "-o", options, str(merged)]
+        r = subprocess.run(args if action == "mount" else ["umount", str(merged)],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+
+    overlay("mount")
+    try:
+        (merged / "l1").unlink()
+        (merged / "l2").rename(merged / "l3")
+        shutil.rmtree(merged / "ldir")
+        (merged / "ldir").mkdir()
+        (merged / "ldir" / "new").write_bytes(b"upper")
+        with open(merged / "l3", "ab") as f:
+            f.write(b" and more")
+    finally:
+        overlay("umount")
+    mounted.stop()
+    mounted.start()
+    overlay("mount")
+    try:
+        assert sorted(os.listdir(merged)) == ["l3", "ldir"]
+        assert sorted(os.listdir(merged / "ldir")) == ["new"]
+        assert (merged / "l3").read_bytes() == b"two and more"
+    finally:
+        overlay("umount")
+    whiteouts = {p.name: os.lstat(p) for p in upper.iterdir() if stat.S_ISCHR(os.lstat(p).st_mode)}
+    assert sorted(whiteouts) == ["l1", "l2"]
+    assert all(st.st_rdev == 0 for st in whiteouts.values())
+    assert os.getxattr(upper / "ldir", "trusted.overlay.opaque") == b"y"
+    assert sorted(os.listdir(lower)) == ["l1", "l2", "ldir"]   # the lower layer is untouched
 
 
 def test_rename_replaces_files_and_empty_directories(mnt):
