@@ -264,22 +264,28 @@ def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:
     if not mkfs.is_filesystem(data):
         config = mkfs.make_filesystem(data)
         log.info("created filesystem %s in %s (default layout)", config.fs_uuid, data)
+    frozen = not os.access(data / mkfs.NAMESPACE_DIR, os.W_OK)
+    if frozen and "ro" not in options:
+        raise MountError(f"{data} is read-only here: mount it with -o ro")
     stack = ExitStack()
     try:
         lock = MountLock(data)
-        lock.acquire(mnt)
+        lock.acquire(mnt, frozen=frozen)
         stack.callback(lock.release)
-        ns = Namespace.open(data / mkfs.NAMESPACE_DIR)
+        ns = Namespace.open(data / mkfs.NAMESPACE_DIR, readonly=frozen, frozen=frozen)
         stack.callback(ns.close)
         volumes = VolumeSet.open(data, ns.config.fs_uuid, ns.config.volumes)
         for volume in volumes:
             refuse_overlap(mnt, volume.path, "volume")
-        unclean = ns.get_state() == "mounted"
-        report = recover(ns, volumes)
-        if unclean:
-            log.warning("previous daemon did not stop cleanly; recovered: %s",
-                        report.summary())
-        ns.set_state("mounted")
+        if frozen:
+            _check_frozen(data, ns)
+        else:
+            unclean = ns.get_state() == "mounted"
+            report = recover(ns, volumes)
+            if unclean:
+                log.warning("previous daemon did not stop cleanly; recovered: %s",
+                            report.summary())
+            ns.set_state("mounted")
         resolver = Resolver(ns)
         raise_descriptor_limit()
         blockio = BlockIO(ns, volumes, Placer(volumes, resolver.placement), new_session_id(),
@@ -292,11 +298,28 @@ def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:
     return stack, ops, blockio, ns
 
 
+def _check_frozen(data: Path, ns: Namespace) -> None:
+    """A DATA that cannot be written (read-only media, a read-only bind mount) is served
+    as it is, with nothing recorded: only when its last daemon stopped cleanly, since the
+    recovery an unclean stop needs must write (ext4 likewise refuses to mount a read-only
+    device whose journal needs replaying)."""
+    if ns.get_state() != "clean":
+        raise MountError(f"{data} was not unmounted cleanly and is read-only here: its "
+                         "recovery needs to write, so mount it once where it is writable")
+    log.info("%s is read-only here: served as it is, nothing recorded", data)
+
+
 def shutdown(ops: Operations, blockio: BlockIO, ns: Namespace) -> None:
     """After unmount the kernel has forgotten every inode and closed every handle: persist
     what is open and close its lease (nothing needs recovery after a clean stop), purge
     orphans, mark clean. When the namespace cannot take it (its disk is full), the
-    namespace stays marked mounted: the next mount recovers the leases and orphans left."""
+    namespace stays marked mounted: the next mount recovers the leases and orphans left.
+    A read-only DATA was served as it is: there is nothing to record."""
+    if ns.readonly:
+        for of in list(blockio.files.values()):
+            blockio.retire_replicas(of)
+        blockio.files.clear()
+        return
     failed = False
     for of in list(blockio.files.values()):
         blockio.retire_replicas(of)
@@ -489,10 +512,10 @@ def run(args, ready_fd: int | None) -> int:
                 pyfuse3.init(ops, os.path.abspath(args.mountpoint),
                              fuse_options(Path(os.path.abspath(args.data)), options))
         except RuntimeError as exc:
-            ns.set_state("clean")
+            _not_mounted(ns)
             return fail(f"FUSE mount of {args.mountpoint} failed: {said.text or exc}")
         except BaseException:  # a bug: its traceback goes out, but nothing was mounted
-            ns.set_state("clean")
+            _not_mounted(ns)
             raise
         if said.text:
             log.warning("libfuse: %s", said.text)
@@ -517,6 +540,12 @@ def run(args, ready_fd: int | None) -> int:
             detach_if_aborted(args.mountpoint, device, aborted)
             log.info("unmounted %s", args.mountpoint)
     return 0
+
+
+def _not_mounted(ns: Namespace) -> None:
+    """The FUSE mount failed after prepare() recorded it: the namespace is clean again."""
+    if not ns.readonly:
+        ns.set_state("clean")
 
 
 def daemonize(args) -> int:
@@ -545,7 +574,9 @@ def daemonize(args) -> int:
         try:
             open_log(log_path)
         except OSError as exc:
-            os.write(write_fd, f"error: cannot open log {log_path}: {exc.strerror}\n".encode())
+            hint = " (give --log FILE, or run with -f)" if exc.errno == errno.EROFS else ""
+            os.write(write_fd, f"error: cannot open log {log_path}: {exc.strerror}{hint}\n"
+                     .encode())
             os._exit(1)
     os.chdir("/")
     os._exit(run(args, write_fd))

@@ -22,24 +22,37 @@ class MountLock:
         self.data_dir = data_dir
         self.path = data_dir / "namespace" / LOCK_NAME
         self._fd: int | None = None
+        self._frozen = False
 
-    def acquire(self, mountpoint: Path) -> None:
-        """Take the lock or fail with a one-line message naming the holder."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    def acquire(self, mountpoint: Path, *, frozen: bool = False) -> None:
+        """Take the lock or fail with a one-line message naming the holder. ``frozen``: DATA
+        cannot be written, so the lock is taken on the file as it is (flock needs no write
+        access) and names no holder; a DATA never mounted before has no file to lock, and
+        nothing could change it anyway."""
+        try:
+            fd = os.open(self.path, (os.O_RDONLY if frozen else os.O_RDWR | os.O_CREAT)
+                         | os.O_CLOEXEC, 0o644)
+        except FileNotFoundError:
+            if frozen:
+                return
+            raise
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             holder = self.holder()
-            where = f" (pid {holder[0]} on {holder[1]})" if holder else ""
+            where = f" (pid {holder[0]} on {holder[1]})" if holder and holder[0] else ""
             raise FsError(errno.EBUSY, f"{self.data_dir} is already mounted{where}") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode() + os.fsencode(mountpoint) + b"\n", 0)
+        self._frozen = frozen
+        if not frozen:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode() + os.fsencode(mountpoint) + b"\n", 0)
         self._fd = fd
 
     def release(self) -> None:
         if self._fd is not None:
-            os.ftruncate(self._fd, 0)
+            if not self._frozen:
+                os.ftruncate(self._fd, 0)
             os.close(self._fd)
             self._fd = None
 

@@ -119,7 +119,10 @@ class Namespace:
     # --- opening ------------------------------------------------------------------------
 
     @staticmethod
-    def _open_env(path: Path, readonly: bool) -> lmdb.Environment:
+    def _open_env(path: Path, readonly: bool, frozen: bool = False) -> lmdb.Environment:
+        """``frozen``: the namespace's directory cannot be written at all (read-only media),
+        so LMDB cannot use its lock file either; nothing else can write it, so none is
+        needed."""
         if not readonly:
             _allocate_lock_file(path / "lock.mdb")
         size = INITIAL_MAP_SIZE
@@ -130,7 +133,7 @@ class Namespace:
         # not valid UTF-8 (surrogate-escaped by Python) cannot be.
         return lmdb.open(os.fsencode(path), map_size=size, max_dbs=len(schema.DATABASES) + 2,
                          subdir=True, readonly=readonly, sync=False, metasync=False,
-                         readahead=False, max_readers=MAX_READERS, lock=True)
+                         readahead=False, max_readers=MAX_READERS, lock=not frozen)
 
     @classmethod
     def create(cls, path: Path, config: FsConfig, *, uid: int, gid: int, now_ns: int,
@@ -179,11 +182,11 @@ class Namespace:
             raise
 
     @classmethod
-    def open(cls, path: Path, *, readonly: bool = False) -> "Namespace":
+    def open(cls, path: Path, *, readonly: bool = False, frozen: bool = False) -> "Namespace":
         if not (path / "data.mdb").exists():
             raise FsError(errno.ENOENT, f"{path} holds no tierfs namespace")
         try:
-            env = cls._open_env(path, readonly)
+            env = cls._open_env(path, readonly, frozen)
         except lmdb.Error as exc:
             raise FsError(errno.EIO, f"cannot open namespace {path}: {exc}") from None
         except OSError as exc:
@@ -195,7 +198,10 @@ class Namespace:
         self.env.close()
 
     def sync(self) -> None:
-        """Force every committed transaction to disk (fsync, syncfs, the 1 s tick)."""
+        """Force every committed transaction to disk (fsync, syncfs, the 1 s tick). A
+        read-only namespace has none."""
+        if self.readonly:
+            return
         try:
             self.env.sync(True)
         except lmdb.Error as exc:

@@ -10,6 +10,7 @@ traceback.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import mmap
@@ -958,3 +959,67 @@ def test_a_full_volume_fails_the_write_itself_not_only_the_close(tmp_path, make_
         with mmap.mmap(f.fileno(), 4096) as m:
             m[:5] = b"shared"[:5]
     assert (mnt / "mapped").read_bytes()[:5] == b"share"
+
+
+def _snapshot(tree: Path) -> dict[str, tuple[int, int, bytes]]:
+    """Every file under ``tree``: (size, mtime_ns, content)."""
+    return {str(p.relative_to(tree)): (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes())
+            for p in sorted(tree.rglob("*")) if p.is_file()}
+
+
+def test_a_read_only_data_directory_mounts_with_ro_and_is_left_as_it_was(tmp_path):
+    """DATA on read-only media (here a read-only bind mount) is served as it is with -o ro:
+    no lock holder, state, recovery or sync is written. Without -o ro, or after an unclean
+    stop (whose recovery must write), the mount is refused in one line."""
+    data, mnt = tmp_path / "data", tmp_path / "mnt"
+    payload = os.urandom(300_000)
+    mount = Mount(data, mnt).start()   # mount.tierfs makes the default layout
+    (mnt / "dir").mkdir()
+    (mnt / "dir" / "f").write_bytes(payload)
+    os.setxattr(mnt / "dir", "user.tierfs.policy", b"COLD")
+    mount.stop()
+    frozen = tmp_path / "frozen"
+    frozen.mkdir()
+    subprocess.run(["mount", "--bind", str(data), str(frozen)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(frozen)], check=True)
+        before = _snapshot(data)
+        assert_one_line_error(mount_cmd(frozen, mnt, "-f"), 1,
+                              f"{frozen} is read-only here: mount it with -o ro")
+        assert_one_line_error(mount_cmd(frozen, mnt, "-o", "ro"), 1,
+                              f"cannot open log {frozen}/tierfs.log: Read-only file system "
+                              "(give --log FILE, or run with -f)")
+        ro = Mount(frozen, mnt, "ro,allow_other").start()
+        try:
+            assert (mnt / "dir" / "f").read_bytes() == payload
+            assert os.getxattr(mnt / "dir", "user.tierfs.policy") == b"COLD"
+            with pytest.raises(OSError) as caught:
+                (mnt / "new").write_bytes(b"x")
+            assert caught.value.errno == errno.EROFS
+            other = tmp_path / "other"
+            other.mkdir()
+            assert_one_line_error(mount_cmd(frozen, other, "-f", "-o", "ro"), 1,
+                                  f"{frozen} is already mounted")
+            r = run([TIERFS, "report", str(frozen)])
+            assert r.returncode == 0 and "mounted (read-only DATA" in r.stdout, r
+            r = run([TIERFS, "fsck", str(frozen)])
+            assert r.returncode == 0 and r.stdout.rstrip().endswith("is HEALTHY"), r.stdout
+        finally:
+            ro.stop()
+        assert "ERROR" not in ro.log_text(), ro.log_text()
+        assert _snapshot(data) == before
+        # an unclean stop leaves recovery that needs to write
+        rw = Mount(data, mnt).start()
+        fd = os.open(mnt / "dir" / "open", os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(fd, b"x")
+        os.fsync(fd)
+        rw.kill()
+        with contextlib.suppress(OSError):  # the daemon is gone
+            os.close(fd)
+        assert_one_line_error(mount_cmd(frozen, mnt, "-f", "-o", "ro"), 1,
+                              f"{frozen} was not unmounted cleanly and is read-only here: its "
+                              "recovery needs to write, so mount it once where it is writable")
+    finally:
+        subprocess.run(["umount", str(frozen)], check=True)
+    Mount(data, mnt).start().stop()    # writable again: the recovery runs
+    assert_fsck_clean(data)

@@ -404,8 +404,12 @@ def _percent(used: int | None, capacity: int | None) -> str:
 
 def render(report: Report) -> str:
     out: list[str] = []
-    where = (f"mounted on {report.mounted['mount_point']} (daemon pid {report.mounted['pid']})"
-             if report.mounted else "not mounted")
+    where = "not mounted"
+    if report.mounted and report.mounted["pid"]:
+        where = (f"mounted on {report.mounted['mount_point']} "
+                 f"(daemon pid {report.mounted['pid']})")
+    elif report.mounted:  # DATA is read-only: the daemon could not write where it runs
+        where = "mounted (read-only DATA: mount point not recorded)"
     out.append(f"tierfs report of {report.data}: filesystem {report.fs_uuid}, {where}")
     out.append(f"Default policy {report.default_policy}, default replication "
                f"{report.default_replication}, block size {human(report.block_size)}, "

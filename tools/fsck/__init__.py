@@ -200,7 +200,7 @@ class Fsck:
             lock.acquire(Path("(tierfs fsck --repair)"))
         except FsError:
             holder = self.holder()
-            where = f" (pid {holder[0]} on {holder[1]})" if holder else ""
+            where = f" (pid {holder[0]} on {holder[1]})" if holder and holder[0] else ""
             raise UsageError(f"{self.data_dir} is mounted{where}: unmount it before "
                              "fsck --repair") from None
         try:

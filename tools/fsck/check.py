@@ -75,7 +75,8 @@ class _Checker:
                              f"{self.fsck.data_dir}")
         holder = self.fsck.holder() if self.mounted else None
         if holder:
-            self.note(f"mounted (daemon pid {holder[0]} on {holder[1]}): checked beside it; "
+            daemon = f"daemon pid {holder[0]} on {holder[1]}" if holder[0] else "read-only DATA"
+            self.note(f"mounted ({daemon}): checked beside it; "
                       "blocks open for writing are not verified")
         if self.whole:
             self.check_structure()
