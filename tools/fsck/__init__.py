@@ -99,8 +99,10 @@ Exit codes
     blocks: HDFS's fsck calls a filesystem with them HEALTHY, since the replication monitor
     and the satisfier restore them while data stays readable; nor is the recovery a daemon
     that did not stop cleanly left, ``LEASE_PENDING``, ``ORPHAN_PENDING``, ``TRASH_PENDING``,
-    ``UNCLEAN_STATE`` and, after such a stop, ``ORPHAN_REPLICA`` and ``TMP_LEFTOVER``: the
-    next mount does it before serving anything, and a note says so); 1 problems found, including with ``--repair`` when every one was repaired (like
+    ``UNCLEAN_STATE`` and, after such a stop, ``TMP_LEFTOVER``: the next mount does it
+    before serving anything, and a note says so; but a lease whose file has a replica
+    failing its checksum is a problem, since lease recovery would take damage for a write
+    cut short); 1 problems found, including with ``--repair`` when every one was repaired (like
     e2fsck's "errors corrected"; the last line then says HEALTHY, and a second fsck exits 0
     unless blocks were lost), but not when ``--repair`` only re-replicated, removed excess
     replicas or finished that recovery; 2 usage or cannot run (DATA

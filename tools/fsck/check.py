@@ -58,6 +58,7 @@ class _Checker:
         self.found: dict[tuple[int, int], Found] = {}
         self.holders: dict[int, set[int]] = {}     # block id -> volumes with its files
         self.misplaced: dict[int, list[Path]] = {}
+        self.unverified_leases: set[int] = set()  # leased files with a bad replica chunk
 
     def problem(self, kind: str, where: str, message: str, key: tuple,
                 action: tuple | None = None, **extra) -> None:
@@ -85,8 +86,20 @@ class _Checker:
         self.check_files(scope)
         if self.whole:
             self.check_volume_leftovers()
+        self._damage_under_dead_leases()
         self.report.elapsed = time.monotonic() - start
         return self.report
+
+    def _damage_under_dead_leases(self) -> None:
+        """A dead daemon's lease is recovery the next mount does, unless a replica of the
+        file fails its checksum: lease recovery takes a bad chunk for a write cut short and
+        checksums it again, but it may as well be damage to data that was fsynced, so the
+        filesystem is not called HEALTHY then (as before leases counted as recovery)."""
+        for problem in self.report.problems:
+            if problem.kind == "LEASE_PENDING" and problem.key[1] in self.unverified_leases:
+                problem.recovery = False
+                problem.message += ("; a replica fails its checksum, which lease recovery "
+                                    "cannot tell from damage")
 
     def _all_inodes(self) -> list[int]:
         """Reachable inodes in tree order, then the rest (orphans, detached)."""
@@ -322,9 +335,11 @@ class _Checker:
 
     @property
     def unclean(self) -> bool:
-        """No daemon runs, and the last one did not stop cleanly: replica files it had
-        written but not yet recorded, and its half-done moves, are what a crash leaves, and
-        the next mount's volume scan removes them (``tierfs.fs.recovery``)."""
+        """No daemon runs, and the last one did not stop cleanly: its half-done moves in a
+        volume's tmp/ are what a crash leaves, and the next mount clears them. (Replica
+        files the namespace does not know stay problems: a crash can leave them, but so can
+        a namespace restored from an old copy or a lost block record, and the mount would
+        delete them.)"""
         return not self.mounted and self.snap.state != "clean"
 
     def check_pending(self) -> None:
@@ -558,6 +573,7 @@ class _Checker:
                              (*drop, ()))
             else:
                 self.note(f"{path}: {text} (under a lease: lease recovery settles it)")
+                self.unverified_leases.add(ino)
             return
         if state.status == "long":
             self.problem(kind, path, text, key, ("truncate_replica", ino, index, rec.block_id,
@@ -611,8 +627,7 @@ class _Checker:
             return
         self.report.stats.orphan_replicas += 1
         self.problem("ORPHAN_REPLICA", str(volume.path), f"{text} ({', '.join(paths)})",
-                     (volume.id, bid, *paths), ("delete_paths", volume.id, bid, paths),
-                     recovery=self.unclean)
+                     (volume.id, bid, *paths), ("delete_paths", volume.id, bid, paths))
 
     def _check_tmp(self, volume: Volume) -> None:
         try:
