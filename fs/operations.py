@@ -62,7 +62,7 @@ READDIR_BATCH = 256  # entries read from the namespace at a time; a READDIRPLUS 
 def handler(fn):
     """Turn domain errors into FUSEError; log bugs loudly and answer EIO. A request that
     failed for want of room, descriptors or working storage is logged as a warning, each
-    distinct message at most once a minute: a user's loop can repeat it without end."""
+    kind of message at most once a minute: a user's loop can repeat it without end."""
 
     @functools.wraps(fn)
     async def wrapper(self, *args, **kwargs):

@@ -33,20 +33,39 @@ def test_repeats_are_counted_and_logged_after_the_interval(caplog):
                                 "create: no volume allowed by policy HOT has room"]
     clock.now += 60
     warnings.warning("write: volume /v is full")
-    assert messages(caplog)[-1] == "write: volume /v is full (and 99 more times in the 70 s before)"
+    assert messages(caplog)[-1] == (
+        "write: volume /v is full (and 99 more like it in the 70 s before)")
     clock.now += 61
     warnings.warning("write: volume /v is full")
     assert messages(caplog)[-1] == "write: volume /v is full"
 
 
-def test_distinct_messages_are_each_logged_and_memory_stays_bounded(caplog, monkeypatch):
+def test_messages_that_differ_only_in_numbers_are_one_kind(caplog):
+    """A full volume fails every new replica with its own block id and stamp."""
+    caplog.set_level(logging.WARNING)
+    clock = Clock()
+    warnings = RepeatedWarnings(logging.getLogger("t"), interval=60, clock=clock)
+    for n in range(500):
+        warnings.warning(f"write: cannot create replica blk_{1073743603 + n}_{2779 + n} on "
+                         "/v1: No space left on device")
+    warnings.warning("write: cannot create replica blk_1_1 on /v2: Disk quota exceeded")
+    clock.now += 61
+    warnings.warning("write: cannot create replica blk_9_9 on /v1: No space left on device")
+    assert messages(caplog) == [
+        "write: cannot create replica blk_1073743603_2779 on /v1: No space left on device",
+        "write: cannot create replica blk_1_1 on /v2: Disk quota exceeded",
+        "write: cannot create replica blk_9_9 on /v1: No space left on device "
+        "(and 499 more like it in the 61 s before)"]
+
+
+def test_many_kinds_keep_memory_bounded_and_the_limit_working(caplog, monkeypatch):
     monkeypatch.setattr(lograte, "MAX_TRACKED", 8)
     caplog.set_level(logging.WARNING)
     clock = Clock()
     warnings = RepeatedWarnings(logging.getLogger("t"), interval=60, clock=clock)
-    for block in range(20):
-        warnings.warning(f"read: block {block} unreadable")
+    for n in range(20):
+        warnings.warning(f"read: {'x' * n} unreadable")
     assert len(messages(caplog)) == 20 and len(warnings._seen) == 8
-    clock.now += 61
-    warnings.warning("read: block 100 unreadable")
-    assert len(warnings._seen) == 1
+    for _ in range(1000):   # a full table still limits a repeated message
+        warnings.warning("write: volume /v is full")
+    assert len(messages(caplog)) == 21 and len(warnings._seen) == 8
