@@ -123,7 +123,7 @@ class Namespace:
         """``frozen``: the namespace's directory cannot be written at all (read-only media),
         so LMDB cannot use its lock file either; nothing else can write it, so none is
         needed."""
-        if not readonly:
+        if not frozen:  # read-only opens register as readers in the lock file too
             _allocate_lock_file(path / "lock.mdb")
         size = INITIAL_MAP_SIZE
         data = path / "data.mdb"
@@ -1182,7 +1182,12 @@ def _allocate_lock_file(path: Path) -> None:
     ``posix_fallocate``. The size is never changed from what LMDB chose (a lock file it
     made keeps its size; a new one gets the size LMDB would give it): LMDB sizes its table
     of readers by the file, and processes sharing it must agree."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            return  # a reader without write access: LMDB answers for itself
+        raise
     try:
         st = os.fstat(fd)
         size = st.st_size or LOCK_FILE_BYTES

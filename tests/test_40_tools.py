@@ -1058,6 +1058,28 @@ def test_mkfs_on_a_disk_that_fills_leaves_nothing_half_made(tmp_path):
         subprocess.run(["umount", str(disk)], check=True)
 
 
+def test_tools_on_a_full_namespace_disk_without_a_lock_file(tmp_path):
+    """LMDB makes its lock file sparse and writes it through a mapping even for read-only
+    opens: on a full disk, fsck and report died of SIGBUS. Now they fail in one line."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], check=True)
+    try:
+        data = disk / "data"
+        run_tool("mkfs", str(data), "--volume", f"DISK:{tmp_path}/v")
+        (data / "namespace" / "lock.mdb").unlink()
+        with open(disk / "filler", "wb", buffering=0) as f, pytest.raises(OSError):
+            while True:
+                f.write(b"\0" * 4096)
+        for tool in ("fsck", "report"):
+            r = tierfs(tool, str(data))
+            assert r.returncode == 2, (tool, r)
+            assert r.stderr == (f"tierfs {tool}: cannot open the namespace of {data}: cannot "
+                                f"open namespace {data}/namespace: No space left on device\n")
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
 def test_umount_through_a_symlink_and_timeout_usage(mounted, tmp_path):
     mnt = mounted.mountpoint
     for timeout in ("0", "-5", "nan"):
