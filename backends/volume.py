@@ -23,6 +23,7 @@ and startup cleanup removes both.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import json
@@ -134,7 +135,7 @@ class Volume:
                 "volume_id": volume_id,
                 "storage_type": storage_type.name,
             }
-            _write_durably(path / IDENTITY_FILE, json.dumps(identity, indent=2).encode() + b"\n")
+            write_durably(path / IDENTITY_FILE, json.dumps(identity, indent=2).encode() + b"\n")
             if created:
                 fsync_dir(path.parent)
         except OSError as e:
@@ -613,16 +614,22 @@ def _fsync_file(path) -> int:
         os.close(fd)
 
 
-def _write_durably(path: Path, content: bytes) -> None:
+def write_durably(path: Path, content: bytes) -> None:
     """Replace ``path`` with ``content`` atomically and durably (temp, fsync, rename, fsync dir)."""
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
-        os.write(fd, content)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.rename(tmp, path)
+        try:
+            if os.write(fd, content) != len(content):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     fsync_dir(path.parent)
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import lock_is_free, require_tool, run_tool
+from tierfs.fs.errors import FsError
+from tierfs.tools import mkfs
 
 MiB = 1 << 20
 NOBODY = "setpriv --reuid=65534 --regid=65534 --clear-groups"
@@ -1056,6 +1058,81 @@ def test_mkfs_on_a_disk_that_fills_leaves_nothing_half_made(tmp_path):
         assert sorted(p.name for p in data.iterdir()) == ["archive", "disk", "namespace", "ssd"]
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+KILL_MKFS = """
+import os, signal, sys
+from tierfs.tools import mkfs
+from tierfs.backends import volume
+
+def kill(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+where = sys.argv[2]
+if where == "second volume's layout":
+    real_mkdir, made = os.mkdir, []
+    def mkdir(path, *args, **kwargs):
+        made.append(path)
+        if str(path).endswith("/disk/tmp"):
+            kill()
+        return real_mkdir(path, *args, **kwargs)
+    volume.os.mkdir = mkdir
+elif where == "third volume's identity":
+    real = volume.write_durably
+    volume.write_durably = lambda path, data: kill() if "archive" in str(path) else real(path, data)
+elif where == "namespace rename":
+    real_rename = os.rename
+    mkfs.os.rename = lambda a, b: kill() if str(b).endswith("/namespace") else real_rename(a, b)
+mkfs.make_filesystem(sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("where", ["second volume's layout", "third volume's identity",
+                                   "namespace rename"])
+def test_mkfs_killed_half_way_can_be_run_again(tmp_path, where):
+    """A mkfs killed (or a machine that lost power) half-way left volumes that every later
+    mkfs or mount.tierfs of the DATA refused as "not empty". The volumes it had formatted,
+    still without a block, are known by its mark in DATA and formatted again."""
+    data = tmp_path / "data"
+    r = subprocess.run([sys.executable, "-c", KILL_MKFS, str(data), where])
+    assert r.returncode == -9
+    assert not (data / "namespace").exists() and (data / "mkfs.partial").exists()
+    r = tierfs("mkfs", str(data))
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in data.iterdir()) == ["archive", "disk", "namespace", "ssd"]
+    assert run_tool("fsck", str(data)).returncode == 0
+
+
+def test_mkfs_does_not_take_over_a_volume_of_another_filesystem(tmp_path):
+    """The mark of an interrupted mkfs lets the next one format again only the volumes that
+    mkfs itself made: a volume of another filesystem, even one without a block yet, is
+    still refused, and kept."""
+    other = tmp_path / "other"
+    run_tool("mkfs", str(other), "--volume", f"DISK:{tmp_path}/shared")
+    data = tmp_path / "data"
+    r = subprocess.run([sys.executable, "-c", KILL_MKFS, str(data), "namespace rename"])
+    assert r.returncode == -9
+    r = tierfs("mkfs", str(data), "--volume", f"DISK:{tmp_path}/shared")
+    assert r.returncode == 1 and "is not empty" in r.stderr, r
+    assert run_tool("fsck", str(other)).returncode == 0
+
+
+def test_a_mkfs_that_loses_a_race_leaves_the_winner_alone(tmp_path, monkeypatch):
+    """Two mkfs (or mount.tierfs) runs of one empty DATA: the one that finds its volume
+    directories filled by the other between its check and its format fails, and its undo
+    must not delete the other's volumes."""
+    data = tmp_path / "data"
+    real_validate = mkfs._validate
+
+    def validate_then_lose_the_race(*args, **kwargs):
+        real_validate(*args, **kwargs)
+        monkeypatch.setattr(mkfs, "_validate", real_validate)
+        mkfs.make_filesystem(data)          # the other run finishes first
+
+    monkeypatch.setattr(mkfs, "_validate", validate_then_lose_the_race)
+    with pytest.raises(FsError, match="is not empty"):
+        mkfs.make_filesystem(data)
+    assert run_tool("fsck", str(data)).returncode == 0
 
 
 def test_tools_on_a_full_namespace_disk_without_a_lock_file(tmp_path):

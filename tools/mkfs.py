@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import re
 import shutil
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from tierfs.backends.storage_types import StorageType
 from tierfs.backends.volume import (FOREIGN_BUT_EMPTY, IDENTITY_FILE, Volume, check_volume_dir,
-                                     fsync_dir)
+                                     fsync_dir, write_durably)
 from tierfs.fs.errors import FsError, UsageError
 from tierfs.fs.inherited import RenameMode
 from tierfs.fs.namespace import FsConfig, Namespace, VolumeConfig
@@ -29,6 +30,10 @@ NAMESPACE_DIR = "namespace"
 # mkfs writes the namespace here and renames it to NAMESPACE_DIR when it is whole, so that a
 # mkfs cut short (a full disk, a crash) never leaves something that looks like a filesystem.
 PARTIAL_NAMESPACE_DIR = NAMESPACE_DIR + ".partial"
+# While mkfs runs, DATA holds this file naming the filesystem it is making. Volumes of that
+# filesystem that hold no block are then known to be half-made, and the next mkfs of DATA
+# (or mount.tierfs of it) may format them again instead of calling them someone's.
+MKFS_MARK = "mkfs.partial"
 # Chosen by measurement (README, "Block size and checksum chunk"): 64 MiB blocks keep a
 # 1 GiB file at 16 namespace records while a block move stays well under a second; 4 KiB
 # checksum chunks make a 4 KiB random read verify exactly one chunk.
@@ -88,12 +93,15 @@ def check_empty(data_dir: Path, volumes: list[VolumeSpec]) -> None:
     user) take one for the other. The volume directories themselves must be missing or
     empty (``Volume.format``'s rule, checked here too so that mount.tierfs refuses before
     it writes its log). Same words as mount.tierfs."""
+    unfinished = _unfinished_mkfs(data_dir)
     for spec in volumes:
-        check_volume_dir(Path(spec.path))
+        if not _made_by(unfinished, Path(spec.path)):
+            check_volume_dir(Path(spec.path))
     if not data_dir.is_dir():
         return
     volume_paths = {os.path.realpath(v.path) for v in volumes}
-    allowed = FOREIGN_BUT_EMPTY | {DAEMON_LOG, PARTIAL_NAMESPACE_DIR}
+    allowed = FOREIGN_BUT_EMPTY | {DAEMON_LOG, PARTIAL_NAMESPACE_DIR, MKFS_MARK,
+                                   MKFS_MARK + ".tmp"}
     if any(name not in allowed and os.path.realpath(data_dir / name) not in volume_paths
            for name in os.listdir(data_dir)):
         raise FsError(errno.ENOTEMPTY, f"{data_dir} is neither empty nor a tierfs filesystem")
@@ -120,11 +128,21 @@ def make_filesystem(data_dir: Path, volumes: list[VolumeSpec] | None = None, *,
     configs = []
     made: list[tuple[str, bool]] = []   # volume directories touched: (path, existed)
     try:
+        unfinished = _unfinished_mkfs(data_dir)
+        for spec in volumes:
+            if _made_by(unfinished, Path(spec.path)):
+                _clear_layout(os.path.abspath(spec.path))
+        write_durably(data_dir / MKFS_MARK, fs_uuid.encode() + b"\n")
         for volume_id, spec in enumerate(volumes, start=1):
-            # Recorded first: a format cut short (a full disk) leaves files to undo too.
-            made.append((os.path.abspath(spec.path), os.path.exists(spec.path)))
-            vol = Volume.format(spec.path, fs_uuid=fs_uuid, volume_id=volume_id,
-                                storage_type=spec.storage_type, capacity=spec.capacity)
+            existed = os.path.exists(spec.path)
+            try:
+                vol = Volume.format(spec.path, fs_uuid=fs_uuid, volume_id=volume_id,
+                                    storage_type=spec.storage_type, capacity=spec.capacity)
+            except FsError as exc:
+                if exc.errno != errno.ENOTEMPTY:   # cut short (a full disk): undo it too
+                    made.append((os.path.abspath(spec.path), existed))
+                raise
+            made.append((str(vol.path), existed))
             configs.append(VolumeConfig(volume_id, vol.uuid, spec.storage_type.name,
                                         _recorded_path(data_dir, vol.path), spec.capacity))
         config = FsConfig(fs_uuid=fs_uuid, block_size=block_size,
@@ -132,12 +150,46 @@ def make_filesystem(data_dir: Path, volumes: list[VolumeSpec] | None = None, *,
                           default_policy=policy.name, rename_mode=rename_mode, volumes=configs)
         _write_namespace(data_dir, config)
     except BaseException:
-        _undo_volumes(made)
+        _undo_volumes(made, fs_uuid)
+        with contextlib.suppress(OSError):
+            os.unlink(data_dir / MKFS_MARK)
         if made_data_dir:
             with contextlib.suppress(OSError):
                 data_dir.rmdir()
         raise
+    with contextlib.suppress(OSError):  # a mark left behind is ignored beside a namespace
+        os.unlink(data_dir / MKFS_MARK)
     return config
+
+
+def _unfinished_mkfs(data_dir: Path) -> str | None:
+    """The filesystem uuid an interrupted mkfs of DATA was making (its mark), if any."""
+    if is_filesystem(data_dir):
+        return None
+    try:
+        return (data_dir / MKFS_MARK).read_text().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _made_by(fs_uuid: str | None, path: Path) -> bool:
+    """Whether ``path`` is a volume directory that the interrupted mkfs making ``fs_uuid``
+    formatted, or began to: only what Volume.format makes, no block file anywhere, and an
+    identity file (if it got that far) naming that filesystem."""
+    if fs_uuid is None or not path.is_dir():
+        return False
+    names = set(os.listdir(path)) - FOREIGN_BUT_EMPTY
+    if not names or not names <= VOLUME_LAYOUT:
+        return False
+    if IDENTITY_FILE in names:
+        try:
+            identity = json.loads((path / IDENTITY_FILE).read_bytes())
+        except (OSError, ValueError):
+            return False
+        if not isinstance(identity, dict) or identity.get("fs_uuid") != fs_uuid:
+            return False
+    return not any(files for name in ("current", "tmp") if name in names
+                   for _, _, files in os.walk(path / name))
 
 
 def _write_namespace(data_dir: Path, config: FsConfig) -> None:
@@ -149,6 +201,7 @@ def _write_namespace(data_dir: Path, config: FsConfig) -> None:
         ns = Namespace.create(partial, config, uid=os.getuid(), gid=os.getgid(),
                               now_ns=time.time_ns())
         ns.close()
+        fsync_dir(partial)   # its files' entries, before the rename publishes them
         os.rename(partial, data_dir / NAMESPACE_DIR)
         fsync_dir(data_dir)
     except BaseException as exc:
@@ -177,16 +230,28 @@ def default_policy_warning(config: FsConfig) -> str | None:
             f"ENOSPC wherever no other policy is set")
 
 
-def _undo_volumes(made) -> None:
+def _undo_volumes(made, fs_uuid: str) -> None:
     """A failed mkfs leaves no half-made volumes behind, so it can simply be run again. In a
-    directory that was there before, only what ``Volume.format`` makes is removed."""
+    directory that was there before, only what ``Volume.format`` makes is removed, and
+    nothing from a directory whose identity names another filesystem (another mkfs of the
+    same directory may have finished first)."""
     for path, existed in made:
+        try:
+            other = json.loads(Path(path, IDENTITY_FILE).read_bytes()).get("fs_uuid") != fs_uuid
+        except (OSError, ValueError, AttributeError):
+            other = False
+        if other:
+            continue
         if not existed:
             shutil.rmtree(path, ignore_errors=True)
-            continue
-        for entry in VOLUME_LAYOUT & set(os.listdir(path)):
-            target = os.path.join(path, entry)
-            shutil.rmtree(target) if os.path.isdir(target) else os.unlink(target)
+        else:
+            _clear_layout(path)
+
+
+def _clear_layout(path: str) -> None:
+    for entry in VOLUME_LAYOUT & set(os.listdir(path)):
+        target = os.path.join(path, entry)
+        shutil.rmtree(target) if os.path.isdir(target) else os.unlink(target)
 
 
 def _recorded_path(data_dir: Path, path: Path) -> str:
