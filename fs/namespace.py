@@ -695,7 +695,8 @@ class Namespace:
 
         RENAME_WHITEOUT (overlayfs's upper layer, fsstress) leaves a whiteout at the old
         name in the same transaction: a character device 0:0 with mode 0, owned by
-        ``whiteout_owner`` (uid, gid), as ext4 makes it. The kernel has checked CAP_MKNOD."""
+        ``whiteout_owner`` (uid, gid), as ext4 makes it. Since Linux 5.8 anyone may make one
+        (it is no device), as on ext4."""
         check_name(new_name)
         noreplace = bool(flags & RENAME_NOREPLACE)
         exchange = bool(flags & RENAME_EXCHANGE)
