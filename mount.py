@@ -272,7 +272,7 @@ def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:
         lock = MountLock(data)
         lock.acquire(mnt, frozen=frozen)
         stack.callback(lock.release)
-        ns = Namespace.open(data / mkfs.NAMESPACE_DIR, readonly=frozen, frozen=frozen)
+        ns = Namespace.open(data / mkfs.NAMESPACE_DIR, frozen=frozen)
         stack.callback(ns.close)
         volumes = VolumeSet.open(data, ns.config.fs_uuid, ns.config.volumes)
         for volume in volumes:
@@ -315,20 +315,19 @@ def shutdown(ops: Operations, blockio: BlockIO, ns: Namespace) -> None:
     orphans, mark clean. When the namespace cannot take it (its disk is full), the
     namespace stays marked mounted: the next mount recovers the leases and orphans left.
     A read-only DATA was served as it is: there is nothing to record."""
-    if ns.readonly:
-        for of in list(blockio.files.values()):
-            blockio.retire_replicas(of)
-        blockio.files.clear()
-        return
     failed = False
     for of in list(blockio.files.values()):
         blockio.retire_replicas(of)
+        if ns.readonly:
+            continue
         try:
             blockio.persist(of, drop_lease=of.leased)
         except FsError as exc:
             log.error("inode %d: size and times not persisted at unmount: %s", of.ino, exc)
             failed = True
     blockio.files.clear()
+    if ns.readonly:
+        return
     try:
         for ino in ns.orphans():
             ns.purge(ino)

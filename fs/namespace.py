@@ -183,6 +183,8 @@ class Namespace:
 
     @classmethod
     def open(cls, path: Path, *, readonly: bool = False, frozen: bool = False) -> "Namespace":
+        """``frozen``: the directory cannot be written at all; opened read-only."""
+        readonly = readonly or frozen
         if not (path / "data.mdb").exists():
             raise FsError(errno.ENOENT, f"{path} holds no tierfs namespace")
         try:
@@ -205,7 +207,7 @@ class Namespace:
         try:
             self.env.sync(True)
         except lmdb.Error as exc:
-            raise self._lmdb_error(exc) from None
+            raise lmdb_failure(self.path, exc) from None
 
     def _load_config(self) -> FsConfig:
         with self.env.begin() as txn:
@@ -247,7 +249,7 @@ class Namespace:
                 continue
             except lmdb.Error as exc:
                 txn.abort()
-                raise self._lmdb_error(exc) from None
+                raise lmdb_failure(self.path, exc) from None
             except BaseException:
                 txn.abort()
                 raise
@@ -260,9 +262,6 @@ class Namespace:
             raise FsError(errno.ENOSPC, "namespace reached its maximum size")
         self.env.set_mapsize(size * 2)
         log.info("namespace map grown to %d MiB", size * 2 >> 20)
-
-    def _lmdb_error(self, exc: lmdb.Error) -> FsError:
-        return lmdb_failure(self.path, exc)
 
     def _take(self, txn: lmdb.Transaction, counter: str, count: int = 1) -> int:
         """Advance a durable counter by ``count``; returns its value before the advance."""

@@ -181,13 +181,8 @@ def _made_by(fs_uuid: str | None, path: Path) -> bool:
     names = set(os.listdir(path)) - FOREIGN_BUT_EMPTY
     if not names or not names <= VOLUME_LAYOUT:
         return False
-    if IDENTITY_FILE in names:
-        try:
-            identity = json.loads((path / IDENTITY_FILE).read_bytes())
-        except (OSError, ValueError):
-            return False
-        if not isinstance(identity, dict) or identity.get("fs_uuid") != fs_uuid:
-            return False
+    if IDENTITY_FILE in names and _volume_fs_uuid(path) != fs_uuid:
+        return False
     return not any(files for name in ("current", "tmp") if name in names
                    for _, _, files in os.walk(path / name))
 
@@ -236,16 +231,22 @@ def _undo_volumes(made, fs_uuid: str) -> None:
     nothing from a directory whose identity names another filesystem (another mkfs of the
     same directory may have finished first)."""
     for path, existed in made:
-        try:
-            other = json.loads(Path(path, IDENTITY_FILE).read_bytes()).get("fs_uuid") != fs_uuid
-        except (OSError, ValueError, AttributeError):
-            other = False
-        if other:
+        if _volume_fs_uuid(Path(path)) not in (None, fs_uuid):
             continue
         if not existed:
             shutil.rmtree(path, ignore_errors=True)
         else:
             _clear_layout(path)
+
+
+def _volume_fs_uuid(path: Path) -> str | None:
+    """The filesystem a volume directory's identity file names; None without a readable
+    one (a format cut short before it)."""
+    try:
+        identity = json.loads((path / IDENTITY_FILE).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return identity.get("fs_uuid") if isinstance(identity, dict) else None
 
 
 def _clear_layout(path: str) -> None:

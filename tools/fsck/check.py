@@ -369,7 +369,7 @@ class _Checker:
             else:
                 pending.append(("TRASH_PENDING", "trash", f"{len(snap.trash)} dropped blocks "
                                 "still have replica files to delete", (), ("delete_trash",)))
-        if not self.mounted and snap.state != "clean":
+        if self.unclean:
             pending.append(("UNCLEAN_STATE", "meta", f"state is '{snap.state}' but no daemon "
                             "runs (not unmounted cleanly)", (), ("set_clean",)))
         for kind, where, message, key, action in pending:
