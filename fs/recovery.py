@@ -8,8 +8,10 @@ Runs before the mount serves any request, so nothing else touches the namespace:
 3. orphans: inodes unlinked while open are purged (the kernel has forgotten everything);
 4. a scan of every volume removes replica files the namespace does not know (blocks created
    but never recorded, "pre-historic" blocks from a volume that was away, replicas dropped
-   while their volume failed) and stale meta files. It runs at every mount, not only after
-   an unclean stop: a volume can come back with old blocks after a clean one.
+   while their volume failed) and stale meta files, and records a whole, verified replica
+   of a known block at its current stamp that its volume was not recorded as holding (as
+   an HDFS block report adds a reported replica to the block map). It runs at every mount,
+   not only after an unclean stop: a volume can come back with old blocks after a clean one.
 
 What a crash can leave, and what repairs it:
 
@@ -17,6 +19,8 @@ What a crash can leave, and what repairs it:
 crash between ...                      state found, and repair
 =====================================  ================================================
 block files fsynced / block recorded   orphan files: removed by the volume scan (4)
+replica copied / copy recorded         a whole replica not recorded on its volume:
+                                       verified and recorded by the volume scan (4)
 meta renamed to new GS / GS recorded   replica GS > namespace GS: adopted in (2), or
                                        in (4) when the lease was not on disk either
 data pwrite / meta CRC pwrite          a chunk fails its CRC: re-checksummed below the
@@ -33,6 +37,8 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from tierfs.backends.verify import verify_replica
+from tierfs.backends.volume import Volume
 from tierfs.backends.volume_set import VolumeSet
 from tierfs.fs import schema
 from tierfs.fs.errors import FsError
@@ -51,6 +57,7 @@ class RecoveryReport:
     stale_meta_removed: int = 0
     stale_replicas_dropped: int = 0
     newer_replicas_adopted: int = 0
+    unrecorded_replicas_adopted: int = 0
     chunks_rechecksummed: int = 0
     missing_replicas: list[str] = field(default_factory=list)
 
@@ -300,9 +307,16 @@ def scan_volumes(ns: Namespace, volumes: VolumeSet, report: RecoveryReport) -> N
     A replica with a newer generation stamp than the namespace's was re-stamped by a write
     session whose transactions (the new GS, the lease) did not reach the disk before a
     power loss: its file is settled like a leased one, adopting the newest replicas.
+
+    Files of a known block on a volume the block does not record are kept and recorded if
+    they are a whole replica of its current stamp (a copy made by the replication monitor
+    or fsck whose recording was lost, or the one good copy left when the recorded replica
+    is damaged); anything else of such a block is removed.
     """
     stale: list[tuple[bytes, int, int]] = []  # (block key, volume id, block id)
     newer: set[int] = set()  # inodes with a replica newer than the namespace knows
+    unrecorded: list[tuple[bytes, Volume, int]] = []  # (block key, volume, block id)
+    trashed = {block_id for block_id, _, _ in ns.trash()}
     with ns.env.begin() as txn:
         for volume in volumes:
             by_block: dict[int, list] = defaultdict(list)
@@ -314,6 +328,11 @@ def scan_volumes(ns: Namespace, volumes: VolumeSet, report: RecoveryReport) -> N
                 continue
             for block_id, infos in by_block.items():
                 owner = txn.get(schema.replica_key(volume.id, block_id), db=ns.db["replicas"])
+                if owner is None and block_id not in trashed:
+                    elsewhere = _recorded_elsewhere(ns, txn, volumes, block_id)
+                    if elsewhere is not None:
+                        unrecorded.append((elsewhere, volume, block_id))
+                        continue
                 rec_raw = None if owner is None else txn.get(owner, db=ns.db["blocks"])
                 if rec_raw is None:
                     volume.delete_replica(block_id, None)
@@ -331,6 +350,17 @@ def scan_volumes(ns: Namespace, volumes: VolumeSet, report: RecoveryReport) -> N
                 elif max(gss, default=0) <= rec.gs:
                     stale.append((bytes(owner), volume.id, block_id))
             report.orphan_replicas_removed += volume.clear_tmp()
+    for owner, volume, block_id in unrecorded:
+        why_not = adopt_replica(ns, volume, *schema.split_block_key(owner), block_id)
+        if why_not is None:
+            log.warning("replica of block %d on volume %d was not recorded: it verifies "
+                        "against the block and is now recorded", block_id, volume.id)
+            report.unrecorded_replicas_adopted += 1
+        else:
+            log.warning("unrecorded files of block %d on volume %d removed: %s", block_id,
+                        volume.id, why_not)
+            volume.delete_replica(block_id, None)
+            report.orphan_replicas_removed += 1
     for owner, volume_id, block_id in stale:
         ino, index = schema.split_block_key(owner)
         ns.drop_replicas(ino, index, (volume_id,))  # its files go through the trash
@@ -343,6 +373,38 @@ def scan_volumes(ns: Namespace, volumes: VolumeSet, report: RecoveryReport) -> N
                     "transactions were lost): settling it from them", ino)
         recover_lease(ns, volumes, ino, report)
         report.newer_replicas_adopted += 1
+
+
+def _recorded_elsewhere(ns: Namespace, txn, volumes: VolumeSet, block_id: int) -> bytes | None:
+    """The key of the block recorded on another volume as holding ``block_id``, or None."""
+    for other in volumes:
+        owner = txn.get(schema.replica_key(other.id, block_id), db=ns.db["replicas"])
+        if owner is not None:
+            return bytes(owner)
+    return None
+
+
+def adopt_replica(ns: Namespace, volume: Volume, ino: int, index: int,
+                  block_id: int) -> str | None:
+    """Record the files of ``block_id`` on ``volume`` as a replica of block ``index`` of
+    ``ino`` if they are a whole one of the block as the namespace has it now; meta files of
+    other stamps beside them go. Returns None when recorded, else why not (the files are
+    then no replica of this block and may be deleted)."""
+    rec = ns.get_blocks(ino).get(index)
+    if rec is None or rec.block_id != block_id:
+        return "the block is gone"
+    if volume.id in rec.volumes:
+        return "already recorded on this volume"
+    verdict = verify_replica(volume, block_id, rec.gs)
+    if not verdict.is_whole(rec.length):
+        why = verdict.corruption() or f"{verdict.length} bytes, the block has {rec.length}"
+        return f"not a whole replica at generation stamp {rec.gs}: {why}"
+    if not ns.add_replica(ino, index, block_id, rec.gs, volume.id):
+        return "the block changed meanwhile"
+    for gs in volume.meta_gss(block_id):
+        if gs != rec.gs:
+            _unlink(volume.meta_path(block_id, gs))
+    return None
 
 
 def _unlink(path) -> None:

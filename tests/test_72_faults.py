@@ -549,6 +549,44 @@ def test_stale_replica_removed_by_fsck_repair(make_fs, tmp_path):
     finish(mount)
 
 
+# --- replica files the namespace does not record on their volume -------------------------------
+
+
+def test_mount_records_an_unrecorded_whole_replica_and_removes_a_damaged_one(make_fs):
+    """A whole copy of a block on a volume the block is not recorded on (a copy whose
+    recording a crash lost) is verified and recorded by the mount's volume scan, so it saves
+    the block when the recorded replica is corrupt; a damaged copy is removed. Before: both
+    were deleted as orphans, and reads of block 0 gave EIO."""
+    mount = make_fs(1)
+    path = mount.mountpoint / "f"
+    content = pattern(11, 3 * BLOCK)
+    write_file(path, content)
+    b0, b1, _ = wait_for_full_replication(mount, "/f", content, 1, 3)
+    mount.stop()
+    disks = [mount.data / d for d in ("d1", "d2", "d3")]
+    spare0 = next(v for v in disks if v not in b0["volumes"])
+    spare1 = next(v for v in disks if v not in b1["volumes"])
+    for block, spare in ((b0, spare0), (b1, spare1)):
+        leaf_dir(spare, block["id"]).mkdir(parents=True, exist_ok=True)
+        shutil.copy2(data_file(block["volumes"][0], block["id"]), data_file(spare, block["id"]))
+        shutil.copy2(meta_file(block["volumes"][0], block["id"], block["gs"]),
+                     meta_file(spare, block["id"], block["gs"]))
+    flip_byte(data_file(b0["volumes"][0], b0["id"]), 5000)   # the recorded replica of b0
+    flip_byte(data_file(spare1, b1["id"]), 5000)               # the copy of b1
+    mount.start()
+    log = mount.log_text()
+    assert (f"replica of block {b0['id']} on volume" in log
+            and "is now recorded" in log), log
+    assert (f"unrecorded files of block {b1['id']} on volume" in log
+            and "checksum mismatch in chunk(s) 1" in log), log
+    assert not data_file(spare1, b1["id"]).exists() and meta_gss(spare1, b1["id"]) == []
+    assert direct_read(path) == content
+    # The read failed over from the corrupt replica, which the monitor then drops.
+    wait_for_full_replication(mount, "/f", content, 1, 3)
+    assert blocks_of(mount.data, "/f")[0]["volumes"] == [spare0]
+    finish(mount)
+
+
 # --- a write that meets a corrupt replica -------------------------------------------------------
 
 

@@ -339,16 +339,66 @@ def test_stray_block_file_is_an_orphan_replica(plain, capsys):
     assert not any(p.exists() for p in stray)
 
 
-def test_replica_on_a_volume_the_block_is_not_recorded_on(replicated, capsys):
+def copy_replica_files(source: Path, target: Path, block_id: int) -> tuple[Path, Path]:
+    """Copy a block's replica files from one volume directory to the same place on another,
+    as a copy whose recording was lost leaves them; returns the copies (data, meta)."""
+    copies = []
+    for path in replica_files(source, block_id):
+        copy = target / path.relative_to(source)
+        copy.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, copy)
+        copies.append(copy)
+    return copies[0], copies[1]
+
+
+def test_whole_replica_on_a_volume_the_block_is_not_recorded_on(replicated, capsys):
+    """Before: called an orphan (CORRUPT) and deleted by --repair, as by the next mount."""
     rec = blocks_at(replicated, "/g")[0]
-    for path in replica_files(replicated / "d1", rec.block_id):
-        target = replicated / "s1" / path.relative_to(replicated / "d1")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(path, target)
+    copy_replica_files(replicated / "d1", replicated / "s1", rec.block_id)
+    code, out, _ = fsck(replicated, capsys=capsys)
+    assert (code, kinds(out)) == (0, {"UNRECORDED_REPLICA"}), out
+    assert (f"blk_{rec.block_id}_{rec.gs}: a whole replica the namespace does not record on "
+            "this volume: the next mount records it") in out
+    assert "Orphan replicas:\t0" in out and out.rstrip().endswith("is HEALTHY")
+    code, repaired, _ = fsck(replicated, "--repair", capsys=capsys)
+    assert code == 0, repaired
+    assert f"recorded as a replica on {replicated / 's1'}" in repaired
+    # Three replicas for replication 2: the repair's next pass removes the surplus.
+    assert len(blocks_at(replicated, "/g")[0].volumes) == 2
+    code, out, _ = fsck(replicated, capsys=capsys)
+    assert (code, kinds(out)) == (0, set()), out
+
+
+def test_damaged_copy_on_a_volume_the_block_is_not_recorded_on(replicated, capsys):
+    rec = blocks_at(replicated, "/g")[0]
+    data_copy, _ = copy_replica_files(replicated / "d1", replicated / "s1", rec.block_id)
+    flip_byte(data_copy, 100)
     code, out, _ = fsck(replicated, capsys=capsys)
     assert f"blk_{rec.block_id}: not recorded on this volume" in out
     assert_repairs(replicated, {"ORPHAN_REPLICA"}, capsys)
     assert not list((replicated / "s1").rglob("blk_*"))
+    assert blocks_at(replicated, "/g")[0] == rec
+
+
+def test_unrecorded_copy_replaces_a_corrupt_only_replica(plain, capsys):
+    """The recorded replica is corrupt and the only good copy is one the namespace does not
+    record: --repair records the copy, then drops the corrupt replica. Before: the copy
+    was deleted as an orphan and the block lost."""
+    rec = blocks_at(plain, "/x")[0]
+    data_file, _ = replica_files(plain / "disk", rec.block_id)
+    copy, _ = copy_replica_files(plain / "disk", plain / "archive", rec.block_id)
+    flip_byte(data_file, 9000)
+    code, out, _ = fsck(plain, capsys=capsys)
+    assert code == 1
+    assert kinds(out) == {"CORRUPT_REPLICA", "LOST_BLOCK", "UNRECORDED_REPLICA"}, out
+    code, repaired, _ = fsck(plain, "--repair", capsys=capsys)
+    assert code == 1 and "not repaired" not in repaired, repaired
+    assert repaired.rstrip().endswith("is HEALTHY"), repaired
+    (now,) = blocks_at(plain, "/x")[0].volumes
+    assert now != rec.volumes[0] and not data_file.exists()
+    assert copy.read_bytes() == b"x" * 10_000
+    code, out, _ = fsck(plain, capsys=capsys)
+    assert (code, kinds(out)) == (0, set()), out
 
 
 def test_stale_meta_file_beside_a_good_replica(plain, capsys):

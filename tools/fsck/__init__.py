@@ -12,9 +12,11 @@ What is checked
     generation stamp than the namespace (stale) or a newer one (a note when the file is under
     a lease, which lease recovery adopts; unusable otherwise), whose data length differs from
     the recorded block length (wrong length, for blocks not under a lease); leftover meta
-    files of older stamps; replica files of blocks the namespace does not know, or does not
-    know on that volume, and files outside their layout directory (orphan replicas); anything
-    left in a volume's ``tmp/``.
+    files of older stamps; replica files of blocks the namespace does not know, files of a
+    known block on a volume it does not record that are not a whole replica at its stamp, and
+    files outside their layout directory (orphan replicas); a whole replica there is
+    ``UNRECORDED_REPLICA``, which the next mount's volume scan (and ``--repair``) records;
+    anything left in a volume's ``tmp/``.
     The namespace against itself (``fs/schema.py`` invariants): dentries naming missing
     inodes (dangling) or living in non-directories; dentry, dircookie and backlink rows that
     do not match one another; ``next_cookie`` below a used cookie; nlink (directories: 2 +
@@ -100,7 +102,7 @@ Exit codes
     and the satisfier restore them while data stays readable; nor is the recovery a daemon
     that did not stop cleanly left, ``LEASE_PENDING``, ``ORPHAN_PENDING``, ``TRASH_PENDING``,
     ``UNCLEAN_STATE`` and, after such a stop, ``TMP_LEFTOVER``: the next mount does it
-    before serving anything, and a note says so; but a lease whose file has a replica
+    before serving anything, and a note says so; nor ``UNRECORDED_REPLICA``; but a lease whose file has a replica
     failing its checksum is a problem, since lease recovery would take damage for a write
     cut short); 1 problems found, including with ``--repair`` when every one was repaired (like
     e2fsck's "errors corrected"; the last line then says HEALTHY, and a second fsck exits 0
@@ -132,13 +134,15 @@ from tierfs.tools import progress as _progress
 from tierfs.tools.progress import Silent
 from tierfs.tools.fsck.check import LIST_BLOCKS, LIST_FILES, LIST_LOCATIONS, _Checker
 from tierfs.tools.fsck.repair import _Repairer
-from tierfs.tools.fsck.replicas import SCAN_ATTEMPTS, Found, Verdict, verify_replica
+from tierfs.backends.verify import Verdict, verify_replica
+from tierfs.tools.fsck.replicas import SCAN_ATTEMPTS, Found
 from tierfs.tools.fsck.report import FsckReport, RepairReport
 
 # The public names of fsck's parts, importable from here as when fsck was one module.
 from tierfs.tools.fsck.check import ORPHAN_GRACE  # noqa: F401
 from tierfs.tools.fsck.repair import LOST_FOUND  # noqa: F401
-from tierfs.tools.fsck.replicas import VERIFY_SPAN, ReplicaState, scan_volume  # noqa: F401
+from tierfs.backends.verify import VERIFY_SPAN  # noqa: F401
+from tierfs.tools.fsck.replicas import ReplicaState, scan_volume  # noqa: F401
 from tierfs.tools.fsck.report import Problem, Stats  # noqa: F401
 from tierfs.tools.fsck.snapshot import Snapshot  # noqa: F401
 

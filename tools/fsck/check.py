@@ -606,14 +606,18 @@ class _Checker:
         """Replica files nobody refers to, misplaced files and ``tmp/`` leftovers."""
         snap = self.snap
         expected = {(vid, r.block_id) for r in snap.blocks.values() for vid in r.volumes}
-        known = {r.block_id for r in snap.blocks.values()}
+        known = {r.block_id: (key, r) for key, r in snap.blocks.items()}
         for (vid, bid), found in sorted(self.found.items()):
             if (vid, bid) in expected:
                 continue
             if bid in snap.trash:
                 continue   # reported with TRASH_PENDING (or in use beside a daemon)
+            volume = self.volumes.by_id[vid]
+            if bid in known and not self._recent(found.paths()):
+                if self._unrecorded(volume, found, *known[bid]):
+                    continue
             why = "not recorded on this volume" if bid in known else "unknown block"
-            self._orphan(self.volumes.by_id[vid], bid, found.paths(), f"blk_{bid}: {why}")
+            self._orphan(volume, bid, found.paths(), f"blk_{bid}: {why}")
         for vid, paths in self.misplaced.items():
             for path in paths:
                 self._orphan(self.volumes.by_id[vid], None, [str(path)],
@@ -621,8 +625,29 @@ class _Checker:
         for volume in self.volumes:
             self._check_tmp(volume)
 
+    def _unrecorded(self, volume: Volume, found: Found, key: tuple[int, int],
+                    rec: BlockRecord) -> bool:
+        """Files of a known block on a volume it does not record (a copy whose recording
+        was lost): a whole replica at the block's stamp is no damage, and the next mount's
+        volume scan records it (``tierfs.fs.recovery``), as --repair does now."""
+        if found.data_path is None or rec.gs not in found.metas:
+            return False
+        verdict = self.fsck.verify(volume, rec.block_id, rec.gs, found, lambda count: None)
+        if not verdict.is_whole(rec.length):
+            return False
+        self.problem("UNRECORDED_REPLICA", str(volume.path),
+                     f"blk_{rec.block_id}_{rec.gs}: a whole replica the namespace does not "
+                     "record on this volume: the next mount records it",
+                     (volume.id, rec.block_id), ("adopt_replica", *key, rec.block_id, volume.id),
+                     recovery=True)
+        return True
+
+    def _recent(self, paths: list[str]) -> bool:
+        """Beside a daemon, files that may belong to a block being created or copied."""
+        return self.mounted and _newest_ctime(paths) > time.time() - ORPHAN_GRACE
+
     def _orphan(self, volume: Volume, bid: int | None, paths: list[str], text: str) -> None:
-        if self.mounted and _newest_ctime(paths) > time.time() - ORPHAN_GRACE:
+        if self._recent(paths):
             self.note(f"{volume.path}: {text}: recent files, maybe a block being created")
             return
         self.report.stats.orphan_replicas += 1

@@ -21,7 +21,7 @@ from tierfs.fs import schema
 from tierfs.fs.errors import FsError
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.placement import choose_volumes
-from tierfs.fs.recovery import RecoveryReport, delete_trash, recover_lease
+from tierfs.fs.recovery import RecoveryReport, adopt_replica, delete_trash, recover_lease
 from tierfs.fs.resolver import Resolver
 from tierfs.fs.schema import BlockRecord, Inode, Op, ROOT_INO, u64
 from tierfs.satisfier.policies import BlockStoragePolicy
@@ -167,7 +167,7 @@ _ORDER = ("make_root", "delete_trash", "drop_replica_leased", "recover_lease", "
           "delete_backlink", "remove_dentry", "add_backlink", "fix_next_cookie", "fix_cookie",
           "remove_orphan_row", "relink", "purge", "clear_symlink", "fix_nlink", "fix_parent",
           "fix_symlink_size", "delete_rows", "drop_block", "fix_size", "index_set",
-          "index_delete", "drop_replica", "truncate_replica", "unlink_meta", "delete_paths",
+          "index_delete", "adopt_replica", "drop_replica", "truncate_replica", "unlink_meta", "delete_paths",
           "clear_tmp", "drop_excess", "replicate", "raise_counter", "set_clean")
 
 
@@ -526,6 +526,15 @@ class _Repairer:
         return self._txn(("raise_counter", name, minimum), body)
 
     # --- replica files ------------------------------------------------------------------------
+
+    def fix_adopt_replica(self, ino: int, index: int, bid: int, vid: int) -> str:
+        """Record a whole replica on a volume the block was not recorded on, as the next
+        mount's volume scan would (``tierfs.fs.recovery.adopt_replica`` verifies it again)."""
+        volume = self.volumes.get(vid)
+        why_not = adopt_replica(self.ns, volume, ino, index, bid)
+        if why_not is not None:
+            raise FsError(errno.EIO, why_not)
+        return f"recorded as a replica on {volume.path}"
 
     def fix_drop_replica(self, ino: int, index: int, bid: int, gs: int, vid: int,
                          good: tuple[int, ...]) -> str:

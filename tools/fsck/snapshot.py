@@ -177,17 +177,3 @@ class Snapshot:
 def _show(name: bytes) -> str:
     """A name for display: undecodable bytes shown escaped, never an encoding error."""
     return name.decode("utf-8", "backslashreplace")
-
-
-def _ranges(numbers: list[int]) -> str:
-    """``0, 3-5, 9`` for [0, 3, 4, 5, 9]."""
-    out: list[str] = []
-    start = end = None
-    for n in sorted(numbers):
-        if end is not None and n == end + 1:
-            end = n
-            out[-1] = f"{start}-{end}"
-            continue
-        start = end = n
-        out.append(str(n))
-    return ", ".join(out)
