@@ -38,11 +38,16 @@ class Verdict:
                            f"{self.chunks} chunks")
         return "; ".join(reasons) or None
 
-    def is_whole(self, length: int) -> bool:
-        """Whether this is a servable replica of a block of ``length`` bytes: every chunk
-        verifies and the meta file holds exactly one checksum per chunk."""
+    def serves(self, length: int) -> bool:
+        """Whether reads of a block of ``length`` bytes can be served from this replica:
+        every chunk verifies, the meta file holds exactly one checksum per chunk, and the
+        data is not shorter (bytes past ``length`` are never read)."""
         return (self.corruption() is None and self.crc_count == self.chunks
-                and self.length == length)
+                and self.length >= length)
+
+    def is_whole(self, length: int) -> bool:
+        """Whether this is exactly a replica of a block of ``length`` bytes."""
+        return self.serves(length) and self.length == length
 
 
 def verify_replica(volume: Volume, block_id: int, gs: int,

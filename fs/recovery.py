@@ -43,6 +43,7 @@ from tierfs.backends.volume_set import VolumeSet
 from tierfs.fs import schema
 from tierfs.fs.errors import FsError
 from tierfs.fs.namespace import Namespace
+from tierfs.fs.resolver import Resolver
 from tierfs.fs.schema import BlockRecord, Inode, Op, u64
 
 log = logging.getLogger(__name__)
@@ -78,14 +79,15 @@ def delete_trash(ns: Namespace, volumes: VolumeSet) -> int:
 def recover(ns: Namespace, volumes: VolumeSet) -> RecoveryReport:
     report = RecoveryReport()
     report.trash_deleted = delete_trash(ns, volumes)
-    for ino in ns.leases():
+    leased = ns.leases()
+    for ino in leased:
         recover_lease(ns, volumes, ino, report)
         report.leases_recovered += 1
     for ino in ns.orphans():
         ns.purge(ino)
         report.orphans_purged += 1
     report.trash_deleted += delete_trash(ns, volumes)
-    scan_volumes(ns, volumes, report)
+    scan_volumes(ns, volumes, report, settled=set(leased))
     return report
 
 
@@ -296,7 +298,8 @@ def _rechecksum(volume, block_id: int, gs: int, offsets: list[int], bpc: int,
         replica.close()
 
 
-def scan_volumes(ns: Namespace, volumes: VolumeSet, report: RecoveryReport) -> None:
+def scan_volumes(ns: Namespace, volumes: VolumeSet, report: RecoveryReport,
+                 settled: set[int] = frozenset()) -> None:
     """Remove replica files the namespace does not refer to, and stale replicas.
 
     A replica of a known block whose meta file carries an older generation stamp than the
@@ -308,15 +311,17 @@ def scan_volumes(ns: Namespace, volumes: VolumeSet, report: RecoveryReport) -> N
     session whose transactions (the new GS, the lease) did not reach the disk before a
     power loss: its file is settled like a leased one, adopting the newest replicas.
 
-    Files of a known block on a volume the block does not record are kept and recorded if
-    they are a whole replica of its current stamp (a copy made by the replication monitor
-    or fsck whose recording was lost, or the one good copy left when the recorded replica
-    is damaged); anything else of such a block is removed.
+    Files of a known block on a volume the block does not record are kept and recorded
+    when the block needs them (``adopt_replica``); anything else of such a block is
+    removed. Blocks of the files in ``settled`` (whose leases recovery just settled) are
+    not considered: tierfs never copies a block of a file open for writing, and lease
+    recovery may have re-stamped or cut the block.
     """
     stale: list[tuple[bytes, int, int]] = []  # (block key, volume id, block id)
     newer: set[int] = set()  # inodes with a replica newer than the namespace knows
     unrecorded: list[tuple[bytes, Volume, int]] = []  # (block key, volume, block id)
     trashed = {block_id for block_id, _, _ in ns.trash()}
+    owners = _BlockOwners(ns)
     with ns.env.begin() as txn:
         for volume in volumes:
             by_block: dict[int, list] = defaultdict(list)
@@ -329,9 +334,9 @@ def scan_volumes(ns: Namespace, volumes: VolumeSet, report: RecoveryReport) -> N
             for block_id, infos in by_block.items():
                 owner = txn.get(schema.replica_key(volume.id, block_id), db=ns.db["replicas"])
                 if owner is None and block_id not in trashed:
-                    elsewhere = _recorded_elsewhere(ns, txn, volumes, block_id)
-                    if elsewhere is not None:
-                        unrecorded.append((elsewhere, volume, block_id))
+                    key = owners.key_of(txn, block_id)
+                    if key is not None and schema.split_block_key(key)[0] not in settled:
+                        unrecorded.append((key, volume, block_id))
                         continue
                 rec_raw = None if owner is None else txn.get(owner, db=ns.db["blocks"])
                 if rec_raw is None:
@@ -351,16 +356,18 @@ def scan_volumes(ns: Namespace, volumes: VolumeSet, report: RecoveryReport) -> N
                     stale.append((bytes(owner), volume.id, block_id))
             report.orphan_replicas_removed += volume.clear_tmp()
     for owner, volume, block_id in unrecorded:
-        why_not = adopt_replica(ns, volume, *schema.split_block_key(owner), block_id)
-        if why_not is None:
-            log.warning("replica of block %d on volume %d was not recorded: it verifies "
-                        "against the block and is now recorded", block_id, volume.id)
-            report.unrecorded_replicas_adopted += 1
-        else:
+        try:
+            adopt_replica(ns, volumes, volume, *schema.split_block_key(owner), block_id)
+        except NotAdopted as exc:
             log.warning("unrecorded files of block %d on volume %d removed: %s", block_id,
-                        volume.id, why_not)
+                        volume.id, exc)
             volume.delete_replica(block_id, None)
             report.orphan_replicas_removed += 1
+        else:
+            log.warning("replica of block %d on volume %d was not recorded: it verifies "
+                        "against the block, which needs it, and is now recorded", block_id,
+                        volume.id)
+            report.unrecorded_replicas_adopted += 1
     for owner, volume_id, block_id in stale:
         ino, index = schema.split_block_key(owner)
         ns.drop_replicas(ino, index, (volume_id,))  # its files go through the trash
@@ -375,36 +382,75 @@ def scan_volumes(ns: Namespace, volumes: VolumeSet, report: RecoveryReport) -> N
         report.newer_replicas_adopted += 1
 
 
-def _recorded_elsewhere(ns: Namespace, txn, volumes: VolumeSet, block_id: int) -> bytes | None:
-    """The key of the block recorded on another volume as holding ``block_id``, or None."""
-    for other in volumes:
-        owner = txn.get(schema.replica_key(other.id, block_id), db=ns.db["replicas"])
-        if owner is not None:
-            return bytes(owner)
-    return None
+class _BlockOwners:
+    """Which block (its ``blocks`` key) a block id belongs to. The replicas index answers
+    for a block recorded on some volume; one whose record lists none (lease recovery found
+    no replica) is found by one pass over the block records, made only if such a block
+    turns up."""
+
+    def __init__(self, ns: Namespace):
+        self.ns = ns
+        self.volume_ids = [v.id for v in ns.config.volumes]
+        self.by_id: dict[int, bytes] | None = None
+
+    def key_of(self, txn, block_id: int) -> bytes | None:
+        for volume_id in self.volume_ids:
+            key = txn.get(schema.replica_key(volume_id, block_id), db=self.ns.db["replicas"])
+            if key is not None:
+                return bytes(key)
+        if self.by_id is None:
+            self.by_id = {BlockRecord.unpack(raw).block_id: bytes(key)
+                          for key, raw in txn.cursor(db=self.ns.db["blocks"])}
+        return self.by_id.get(block_id)
 
 
-def adopt_replica(ns: Namespace, volume: Volume, ino: int, index: int,
-                  block_id: int) -> str | None:
+class NotAdopted(Exception):
+    """Why files found on a volume are not recorded as a replica of their block.
+    ``changed``: the block is not what the files were checked against (gone, re-stamped,
+    recorded there, or no longer short of replicas), as opposed to files that are not a
+    whole replica of it."""
+
+    def __init__(self, reason: str, changed: bool = True):
+        super().__init__(reason)
+        self.changed = changed
+
+
+def adopt_replica(ns: Namespace, volumes: VolumeSet, volume: Volume, ino: int, index: int,
+                  block_id: int) -> None:
     """Record the files of ``block_id`` on ``volume`` as a replica of block ``index`` of
-    ``ino`` if they are a whole one of the block as the namespace has it now; meta files of
-    other stamps beside them go. Returns None when recorded, else why not (the files are
-    then no replica of this block and may be deleted)."""
+    ``ino`` (a copy whose recording a crash lost), as an HDFS block report adds a reported
+    replica, if the block needs it and they are a whole replica of it as the namespace has
+    it now; meta files of other stamps beside them go. Needed: the block has fewer
+    servable persistent replicas than its file's replication, so that a copy which may be
+    the only good one left is kept, but a surplus one (an excess replica whose deletion a
+    power loss undid) is not. Raises NotAdopted otherwise."""
     rec = ns.get_blocks(ino).get(index)
     if rec is None or rec.block_id != block_id:
-        return "the block is gone"
+        raise NotAdopted("the block is gone")
     if volume.id in rec.volumes:
-        return "already recorded on this volume"
+        raise NotAdopted("the block is recorded on this volume already")
+    replication = Resolver(ns).placement(ino)[1]
+    serving = [v for v in rec.volumes if v in volumes.by_id
+               and not volumes.get(v).storage_type.transient
+               and verify_replica(volumes.get(v), block_id, rec.gs).serves(rec.length)]
+    if len(serving) >= replication:
+        raise NotAdopted(f"surplus: the block has {len(serving)} good replica(s) for "
+                         f"replication {replication}")
+    try:
+        size = os.stat(volume.data_path(block_id)).st_size
+    except OSError as exc:
+        raise NotAdopted(f"data file: {exc.strerror}", changed=False) from None
+    if size != rec.length:
+        raise NotAdopted(f"{size} bytes, the block has {rec.length}", changed=False)
     verdict = verify_replica(volume, block_id, rec.gs)
     if not verdict.is_whole(rec.length):
-        why = verdict.corruption() or f"{verdict.length} bytes, the block has {rec.length}"
-        return f"not a whole replica at generation stamp {rec.gs}: {why}"
+        raise NotAdopted(f"not a whole replica at generation stamp {rec.gs}: "
+                         f"{verdict.corruption() or 'wrong length'}", changed=False)
     if not ns.add_replica(ino, index, block_id, rec.gs, volume.id):
-        return "the block changed meanwhile"
+        raise NotAdopted("the block changed meanwhile")
     for gs in volume.meta_gss(block_id):
         if gs != rec.gs:
             _unlink(volume.meta_path(block_id, gs))
-    return None
 
 
 def _unlink(path) -> None:

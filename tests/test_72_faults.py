@@ -552,11 +552,12 @@ def test_stale_replica_removed_by_fsck_repair(make_fs, tmp_path):
 # --- replica files the namespace does not record on their volume -------------------------------
 
 
-def test_mount_records_an_unrecorded_whole_replica_and_removes_a_damaged_one(make_fs):
+def test_mount_records_an_unrecorded_replica_the_block_needs_and_removes_a_surplus_one(make_fs):
     """A whole copy of a block on a volume the block is not recorded on (a copy whose
-    recording a crash lost) is verified and recorded by the mount's volume scan, so it saves
-    the block when the recorded replica is corrupt; a damaged copy is removed. Before: both
-    were deleted as orphans, and reads of block 0 gave EIO."""
+    recording a crash lost) is verified and recorded by the mount's volume scan when the
+    block needs it: here it saves block 0, whose recorded replica is corrupt. Block 1's
+    recorded replica is good, so its copy is surplus and removed. Before: both copies were
+    deleted as orphans, and reads of block 0 gave EIO."""
     mount = make_fs(1)
     path = mount.mountpoint / "f"
     content = pattern(11, 3 * BLOCK)
@@ -572,13 +573,12 @@ def test_mount_records_an_unrecorded_whole_replica_and_removes_a_damaged_one(mak
         shutil.copy2(meta_file(block["volumes"][0], block["id"], block["gs"]),
                      meta_file(spare, block["id"], block["gs"]))
     flip_byte(data_file(b0["volumes"][0], b0["id"]), 5000)   # the recorded replica of b0
-    flip_byte(data_file(spare1, b1["id"]), 5000)               # the copy of b1
     mount.start()
     log = mount.log_text()
     assert (f"replica of block {b0['id']} on volume" in log
-            and "is now recorded" in log), log
+            and "which needs it, and is now recorded" in log), log
     assert (f"unrecorded files of block {b1['id']} on volume" in log
-            and "checksum mismatch in chunk(s) 1" in log), log
+            and "surplus: the block has 1 good replica(s) for replication 1" in log), log
     assert not data_file(spare1, b1["id"]).exists() and meta_gss(spare1, b1["id"]) == []
     assert direct_read(path) == content
     # The read failed over from the corrupt replica, which the monitor then drops.

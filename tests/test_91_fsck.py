@@ -28,7 +28,7 @@ from tierfs.backends.volume_set import VolumeSet
 from tierfs.fs import schema
 from tierfs.fs.mountlock import MountLock
 from tierfs.fs.namespace import Namespace
-from tierfs.fs.schema import ROOT_INO, Inode, u64
+from tierfs.fs.schema import ROOT_INO, BlockRecord, Inode, u64
 from tierfs.tools import cli
 from tierfs.tools.fsck import Fsck, Progress
 
@@ -351,33 +351,58 @@ def copy_replica_files(source: Path, target: Path, block_id: int) -> tuple[Path,
     return copies[0], copies[1]
 
 
-def test_whole_replica_on_a_volume_the_block_is_not_recorded_on(replicated, capsys):
-    """Before: called an orphan (CORRUPT) and deleted by --repair, as by the next mount."""
+def forget_replica(data: Path, path: str, volume_id: int) -> None:
+    """Remove one volume from a block's record and the replicas index, leaving its files:
+    what a copy whose recording a crash lost looks like."""
+    ino = inode_at(data, path).ino
+    with namespace_rows(data) as (db, txn):
+        key = schema.block_key(ino, 0)
+        rec = BlockRecord.unpack(txn.get(key, db=db("blocks")))
+        rec.volumes = tuple(v for v in rec.volumes if v != volume_id)
+        txn.put(key, rec.pack(), db=db("blocks"))
+        txn.delete(schema.replica_key(volume_id, rec.block_id), db=db("replicas"))
+
+
+def test_whole_replica_the_block_needs_is_recorded(replicated, capsys):
+    """Before: called an orphan (CORRUPT) and deleted by --repair, as by the next mount,
+    and then copied again."""
     rec = blocks_at(replicated, "/g")[0]
-    copy_replica_files(replicated / "d1", replicated / "s1", rec.block_id)
+    assert rec.volumes == (1, 2)
+    forget_replica(replicated, "/g", 2)
     code, out, _ = fsck(replicated, capsys=capsys)
     assert (code, kinds(out)) == (0, {"UNRECORDED_REPLICA"}), out
     assert (f"blk_{rec.block_id}_{rec.gs}: a whole replica the namespace does not record on "
-            "this volume: the next mount records it") in out
+            "this volume, which the block needs: the next mount records it") in out
     assert "Orphan replicas:\t0" in out and out.rstrip().endswith("is HEALTHY")
     code, repaired, _ = fsck(replicated, "--repair", capsys=capsys)
-    assert code == 0, repaired
-    assert f"recorded as a replica on {replicated / 's1'}" in repaired
-    # Three replicas for replication 2: the repair's next pass removes the surplus.
-    assert len(blocks_at(replicated, "/g")[0].volumes) == 2
+    assert code == 0 and "not repaired" not in repaired, repaired
+    assert f"recorded as a replica on {replicated / 'd2'}" in repaired
+    assert blocks_at(replicated, "/g")[0] == rec
+    assert not list((replicated / "s1").rglob("blk_*"))      # no needless copy
     code, out, _ = fsck(replicated, capsys=capsys)
     assert (code, kinds(out)) == (0, set()), out
 
 
-def test_damaged_copy_on_a_volume_the_block_is_not_recorded_on(replicated, capsys):
+def test_surplus_copy_on_a_volume_the_block_is_not_recorded_on(replicated, capsys):
+    """Both recorded replicas are good: a third, unrecorded copy (an excess replica whose
+    deletion a power loss undid) is an orphan, as the mount would delete it."""
     rec = blocks_at(replicated, "/g")[0]
-    data_copy, _ = copy_replica_files(replicated / "d1", replicated / "s1", rec.block_id)
-    flip_byte(data_copy, 100)
+    copy_replica_files(replicated / "d1", replicated / "s1", rec.block_id)
     code, out, _ = fsck(replicated, capsys=capsys)
     assert f"blk_{rec.block_id}: not recorded on this volume" in out
     assert_repairs(replicated, {"ORPHAN_REPLICA"}, capsys)
     assert not list((replicated / "s1").rglob("blk_*"))
     assert blocks_at(replicated, "/g")[0] == rec
+
+
+def test_damaged_copy_on_a_volume_the_block_is_not_recorded_on(replicated, capsys):
+    rec = blocks_at(replicated, "/g")[0]
+    forget_replica(replicated, "/g", 2)
+    flip_byte(replica_files(replicated / "d2", rec.block_id)[0], 100)
+    code, out, _ = fsck(replicated, capsys=capsys)
+    assert f"blk_{rec.block_id}: not recorded on this volume" in out
+    assert_repairs(replicated, {"ORPHAN_REPLICA"}, capsys)
+    assert len(blocks_at(replicated, "/g")[0].volumes) == 2     # copied again from d1
 
 
 def test_unrecorded_copy_replaces_a_corrupt_only_replica(plain, capsys):
@@ -680,6 +705,56 @@ def test_a_bad_chunk_under_a_dead_lease_is_not_called_healthy(plain, tmp_path, c
     assert ("LEASE_PENDING: /w: lease left by a dead daemon: needs lease recovery; a replica "
             "fails its checksum, which lease recovery cannot tell from damage") in out
     assert "checksum mismatch" in out
+
+
+def test_copy_of_a_block_under_a_dead_lease_is_not_recorded(plain, tmp_path, capsys):
+    """Lease recovery runs first and may re-stamp or cut the file's blocks, and tierfs never
+    copies a block of a file open for writing: such a copy is an orphan, for fsck as for
+    the mount."""
+    payload = os.urandom(300_000)
+    mount = Mount(plain, tmp_path / "mnt").start()
+    fd = os.open(mount.mountpoint / "w", os.O_WRONLY | os.O_CREAT, 0o644)
+    os.write(fd, payload)
+    os.fsync(fd)
+    mount.kill()
+    try:
+        os.close(fd)
+    except OSError:
+        pass       # the daemon is gone; the kernel may report it
+    rec = blocks_at(plain, "/w")[0]
+    copy, _ = copy_replica_files(plain / "disk", plain / "archive", rec.block_id)
+    code, out, _ = fsck(plain, capsys=capsys)
+    assert code == 1, out
+    assert kinds(out) == {"LEASE_PENDING", "UNCLEAN_STATE", "ORPHAN_REPLICA"}, out
+    mount = Mount(plain, tmp_path / "mnt").start()
+    try:
+        assert not copy.exists()
+        assert (mount.mountpoint / "w").read_bytes() == payload
+    finally:
+        mount.stop()
+    assert fsck_process(plain).returncode == 0
+
+
+def test_lost_block_whose_replica_is_on_an_unrecorded_volume(plain, tmp_path, capsys):
+    """A block record listing no volume, its whole replica on a volume: the mount finds the
+    block by its id among the block records, and records the replica."""
+    rec = blocks_at(plain, "/x")[0]
+    (disk_id,) = rec.volumes
+    data_file, meta_file = replica_files(plain / "disk", rec.block_id)
+    copy_replica_files(plain / "disk", plain / "archive", rec.block_id)
+    data_file.unlink()
+    meta_file.unlink()
+    forget_replica(plain, "/x", disk_id)
+    code, out, _ = fsck(plain, capsys=capsys)
+    assert (code, kinds(out)) == (1, {"LOST_BLOCK", "UNRECORDED_REPLICA"}), out
+    mount = Mount(plain, tmp_path / "mnt").start()
+    try:
+        assert (mount.mountpoint / "x").read_bytes() == b"x" * 10_000
+    finally:
+        mount.stop()
+    (now,) = blocks_at(plain, "/x")[0].volumes
+    assert now != disk_id
+    assert fsck_process(plain).returncode == 0
 
 
 def test_check_beside_a_mount_and_repair_refused(mounted):

@@ -13,10 +13,11 @@ What is checked
     a lease, which lease recovery adopts; unusable otherwise), whose data length differs from
     the recorded block length (wrong length, for blocks not under a lease); leftover meta
     files of older stamps; replica files of blocks the namespace does not know, files of a
-    known block on a volume it does not record that are not a whole replica at its stamp, and
-    files outside their layout directory (orphan replicas); a whole replica there is
-    ``UNRECORDED_REPLICA``, which the next mount's volume scan (and ``--repair``) records;
-    anything left in a volume's ``tmp/``.
+    known block on a volume it does not record, and files outside their layout directory
+    (orphan replicas), except a whole replica at the block's stamp that the block needs
+    (``UNRECORDED_REPLICA``), which the next mount's volume scan (and ``--repair``) records
+    (the rule is ``tierfs.fs.recovery.adopt_replica``'s); anything left in a volume's
+    ``tmp/``.
     The namespace against itself (``fs/schema.py`` invariants): dentries naming missing
     inodes (dangling) or living in non-directories; dentry, dircookie and backlink rows that
     do not match one another; ``next_cookie`` below a used cookie; nlink (directories: 2 +

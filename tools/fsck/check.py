@@ -58,6 +58,8 @@ class _Checker:
         self.found: dict[tuple[int, int], Found] = {}
         self.holders: dict[int, set[int]] = {}     # block id -> volumes with its files
         self.misplaced: dict[int, list[Path]] = {}
+        # block id -> [servable persistent replicas, the file's replication]
+        self.serving: dict[int, list[int]] = {}
         self.unverified_leases: set[int] = set()  # leased files with a bad replica chunk
 
     def problem(self, kind: str, where: str, message: str, key: tuple,
@@ -471,6 +473,7 @@ class _Checker:
         good = [s.volume_id for s in states if s.good and s.volume_id in self.volumes.by_id]
         types = [self.volumes.by_id[v].storage_type for v in good]
         verdict = self.report.placement.add(types, policy, target)
+        self.serving[rec.block_id] = [verdict.persistent, target]
         if leased:
             return
         stats = self.report.stats
@@ -628,18 +631,27 @@ class _Checker:
     def _unrecorded(self, volume: Volume, found: Found, key: tuple[int, int],
                     rec: BlockRecord) -> bool:
         """Files of a known block on a volume it does not record (a copy whose recording
-        was lost): a whole replica at the block's stamp is no damage, and the next mount's
-        volume scan records it (``tierfs.fs.recovery``), as --repair does now."""
+        was lost): a whole replica at the block's stamp that the block needs is no damage,
+        and the next mount's volume scan records it, as --repair does now; the rule is
+        ``tierfs.fs.recovery.adopt_replica``'s. Not for files under a lease or unlinked:
+        their recovery comes first and may re-stamp or purge the block."""
+        ino = key[0]
+        serving = self.serving.get(rec.block_id)
+        if ino in self.snap.leases or ino in self.snap.orphans or serving is None:
+            return False
+        if serving[0] >= serving[1] or found.data_len != rec.length:
+            return False
         if found.data_path is None or rec.gs not in found.metas:
             return False
         verdict = self.fsck.verify(volume, rec.block_id, rec.gs, found, lambda count: None)
         if not verdict.is_whole(rec.length):
             return False
+        serving[0] += not volume.storage_type.transient
         self.problem("UNRECORDED_REPLICA", str(volume.path),
                      f"blk_{rec.block_id}_{rec.gs}: a whole replica the namespace does not "
-                     "record on this volume: the next mount records it",
-                     (volume.id, rec.block_id), ("adopt_replica", *key, rec.block_id, volume.id),
-                     recovery=True)
+                     "record on this volume, which the block needs: the next mount records "
+                     "it", (volume.id, rec.block_id),
+                     ("adopt_replica", *key, rec.block_id, volume.id), recovery=True)
         return True
 
     def _recent(self, paths: list[str]) -> bool:

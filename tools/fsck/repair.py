@@ -21,7 +21,8 @@ from tierfs.fs import schema
 from tierfs.fs.errors import FsError
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.placement import choose_volumes
-from tierfs.fs.recovery import RecoveryReport, adopt_replica, delete_trash, recover_lease
+from tierfs.fs.recovery import (NotAdopted, RecoveryReport, adopt_replica, delete_trash,
+                                recover_lease)
 from tierfs.fs.resolver import Resolver
 from tierfs.fs.schema import BlockRecord, Inode, Op, ROOT_INO, u64
 from tierfs.satisfier.policies import BlockStoragePolicy
@@ -185,6 +186,7 @@ class _Repairer:
         self.ns = ns
         self.volumes = volumes
         self.progress = progress or Silent()
+        self.adopted: dict[int, set[int]] = {}   # block id -> volumes recorded by this pass
 
     def apply(self, problems: list[Problem]) -> None:
         work = sum(p.work for p in problems)
@@ -529,11 +531,15 @@ class _Repairer:
 
     def fix_adopt_replica(self, ino: int, index: int, bid: int, vid: int) -> str:
         """Record a whole replica on a volume the block was not recorded on, as the next
-        mount's volume scan would (``tierfs.fs.recovery.adopt_replica`` verifies it again)."""
+        mount's volume scan would (``tierfs.fs.recovery.adopt_replica`` checks it again)."""
         volume = self.volumes.get(vid)
-        why_not = adopt_replica(self.ns, volume, ino, index, bid)
-        if why_not is not None:
-            raise FsError(errno.EIO, why_not)
+        try:
+            adopt_replica(self.ns, self.volumes, volume, ino, index, bid)
+        except NotAdopted as exc:
+            if exc.changed:
+                raise _Unchanged(str(exc)) from None
+            raise FsError(errno.EIO, str(exc)) from None
+        self.adopted.setdefault(bid, set()).add(vid)
         return f"recorded as a replica on {volume.path}"
 
     def fix_drop_replica(self, ino: int, index: int, bid: int, gs: int, vid: int,
@@ -616,6 +622,7 @@ class _Repairer:
         if rec is None or rec.block_id != bid or rec.gs != gs:
             raise _Unchanged("the block changed")
         policy, replication = Resolver(self.ns).placement(ino)
+        good = [*good, *self.adopted.get(bid, ())]
         good = [v for v in good if v in rec.volumes and v in self.volumes.by_id]
         if not good:
             raise FsError(errno.EIO, "no good replica is left to copy")
