@@ -429,7 +429,10 @@ def adopt_replica(ns: Namespace, volumes: VolumeSet, volume: Volume, ino: int, i
         raise NotAdopted("the block is gone")
     if volume.id in rec.volumes:
         raise NotAdopted("the block is recorded on this volume already")
-    replication = Resolver(ns).placement(ino)[1]
+    try:
+        replication = Resolver(ns).replication(ino)
+    except FsError:  # a parent loop above the file (fsck reports it): the default, as fsck
+        replication = ns.config.replication
     serving = [v for v in rec.volumes if v in volumes.by_id
                and not volumes.get(v).storage_type.transient
                and verify_replica(volumes.get(v), block_id, rec.gs).serves(rec.length)]
