@@ -684,18 +684,24 @@ def test_lease_left_by_a_killed_daemon(plain, tmp_path, capsys):
         mount.stop()
 
 
-def test_a_bad_chunk_under_a_dead_lease_is_not_called_healthy(plain, tmp_path, capsys):
-    """Lease recovery re-checksums a chunk that fails its CRC, taking it for a write cut
-    short; it may as well be damage to fsynced data, so fsck does not say HEALTHY."""
-    mount = Mount(plain, tmp_path / "mnt").start()
-    fd = os.open(mount.mountpoint / "w", os.O_WRONLY | os.O_CREAT, 0o644)
-    os.write(fd, os.urandom(300_000))
+def killed_while_writing(data: Path, tmp_path: Path, name: str, payload: bytes) -> None:
+    """Mount, write and fsync ``payload`` to a new file, kill -9 the daemon with the file
+    still open: its lease is left for the next mount's lease recovery."""
+    mount = Mount(data, tmp_path / "mnt").start()
+    fd = os.open(mount.mountpoint / name, os.O_WRONLY | os.O_CREAT, 0o644)
+    os.write(fd, payload)
     os.fsync(fd)
     mount.kill()
     try:
         os.close(fd)
     except OSError:
         pass       # the daemon is gone; the kernel may report it
+
+
+def test_a_bad_chunk_under_a_dead_lease_is_not_called_healthy(plain, tmp_path, capsys):
+    """Lease recovery re-checksums a chunk that fails its CRC, taking it for a write cut
+    short; it may as well be damage to fsynced data, so fsck does not say HEALTHY."""
+    killed_while_writing(plain, tmp_path, "w", os.urandom(300_000))
     data_file = replica_files(plain / "disk", blocks_at(plain, "/w")[0].block_id)[0]
     with open(data_file, "r+b") as f:
         f.seek(5000)
@@ -712,15 +718,7 @@ def test_copy_of_a_block_under_a_dead_lease_is_not_recorded(plain, tmp_path, cap
     copies a block of a file open for writing: such a copy is an orphan, for fsck as for
     the mount."""
     payload = os.urandom(300_000)
-    mount = Mount(plain, tmp_path / "mnt").start()
-    fd = os.open(mount.mountpoint / "w", os.O_WRONLY | os.O_CREAT, 0o644)
-    os.write(fd, payload)
-    os.fsync(fd)
-    mount.kill()
-    try:
-        os.close(fd)
-    except OSError:
-        pass       # the daemon is gone; the kernel may report it
+    killed_while_writing(plain, tmp_path, "w", payload)
     rec = blocks_at(plain, "/w")[0]
     copy, _ = copy_replica_files(plain / "disk", plain / "archive", rec.block_id)
     code, out, _ = fsck(plain, capsys=capsys)
