@@ -755,6 +755,19 @@ def test_lost_block_whose_replica_is_on_an_unrecorded_volume(plain, tmp_path, ca
     assert fsck_process(plain).returncode == 0
 
 
+def test_average_block_size_counts_blocks_not_holes(mounted):
+    """One block (64 MiB blocks): the second, from 64 MiB to the byte at 100 MiB; the first
+    is a hole and has none. Before: the files' sizes over the number of blocks, 104,857,601 B
+    for this file, more than a block holds."""
+    with open(mounted.mountpoint / "sparse", "wb") as f:
+        f.seek(100 << 20)
+        f.write(b"!")
+    result = fsck_process(mounted.data)
+    assert "Total size:\t104857601 B" in result.stdout, result.stdout
+    assert ("Total blocks (validated):\t1 (avg. block size 37748737 B)"
+            in result.stdout), result.stdout
+
+
 def test_check_beside_a_mount_and_repair_refused(mounted):
     mnt = mounted.mountpoint
     (mnt / "done").write_bytes(b"closed file")

@@ -458,6 +458,7 @@ class _Checker:
                      good: list[int]) -> None:
         stats = self.report.stats
         stats.blocks += 1
+        stats.block_bytes += rec.length
         stats.recorded_replicas += len(rec.volumes)
         stats.missing_replicas += sum(s.status == "missing" for s in states)
         stats.good_replicas += len(good)

@@ -40,6 +40,7 @@ class Problem:
 @dataclass
 class Stats:
     total_size: int = 0
+    block_bytes: int = 0      # the blocks' own lengths: a sparse file's holes have none
     dirs: int = 0
     files: int = 0
     symlinks: int = 0
@@ -86,7 +87,7 @@ class FsckReport:
         """The HDFS-style summary and the final verdict line."""
         s = self.stats
         blocks = max(s.blocks, 1)
-        avg_block = s.total_size // s.blocks if s.blocks else 0
+        avg_block = s.block_bytes // s.blocks if s.blocks else 0
         average = s.good_replicas / s.blocks if s.blocks else 0.0
         status = "HEALTHY" if self.healthy else "CORRUPT"
         return [
