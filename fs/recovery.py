@@ -313,9 +313,11 @@ def scan_volumes(ns: Namespace, volumes: VolumeSet, report: RecoveryReport,
 
     Files of a known block on a volume the block does not record are kept and recorded
     when the block needs them (``adopt_replica``); anything else of such a block is
-    removed. Blocks of the files in ``settled`` (whose leases recovery just settled) are
-    not considered: tierfs never copies a block of a file open for writing, and lease
-    recovery may have re-stamped or cut the block.
+    removed. Blocks of the files in ``settled`` (whose leases recovery just settled), and
+    of files with a replica newer than the namespace (settled below), are not considered:
+    tierfs never copies a block of a file open for writing, and settling may re-stamp or
+    cut the block. Files of a block whose record lists their volume, but whose replicas
+    index row is missing, are a replica all the same: kept (fsck repairs the index).
     """
     stale: list[tuple[bytes, int, int]] = []  # (block key, volume id, block id)
     newer: set[int] = set()  # inodes with a replica newer than the namespace knows
@@ -356,8 +358,17 @@ def scan_volumes(ns: Namespace, volumes: VolumeSet, report: RecoveryReport,
                     stale.append((bytes(owner), volume.id, block_id))
             report.orphan_replicas_removed += volume.clear_tmp()
     for owner, volume, block_id in unrecorded:
+        ino, index = schema.split_block_key(owner)
+        rec = ns.get_blocks(ino).get(index)
+        if rec is not None and volume.id in rec.volumes:
+            log.warning("block %d is recorded on volume %d but the replicas index has no "
+                        "row for it: its files are kept (fsck --repair restores the row)",
+                        block_id, volume.id)
+            continue
         try:
-            adopt_replica(ns, volumes, volume, *schema.split_block_key(owner), block_id)
+            if ino in newer:  # settled from its newest replicas below
+                raise NotAdopted("the file has replicas newer than the namespace")
+            adopt_replica(ns, volumes, volume, ino, index, block_id)
         except NotAdopted as exc:
             log.warning("unrecorded files of block %d on volume %d removed: %s", block_id,
                         volume.id, exc)
@@ -423,28 +434,32 @@ def adopt_replica(ns: Namespace, volumes: VolumeSet, volume: Volume, ino: int, i
     it now; meta files of other stamps beside them go. Needed: the block has fewer
     servable persistent replicas than its file's replication, so that a copy which may be
     the only good one left is kept, but a surplus one (an excess replica whose deletion a
-    power loss undid) is not. Raises NotAdopted otherwise."""
+    power loss undid) is not. Raises NotAdopted otherwise.
+
+    Cheap checks come first (the files' size and stamp, then whether the recorded replicas'
+    files are there at all): the recorded replicas are read whole only when they look
+    complete and a complete-looking copy turned up, to tell a surplus copy from the one
+    good copy of a block whose recorded replica went bad."""
     rec = ns.get_blocks(ino).get(index)
     if rec is None or rec.block_id != block_id:
         raise NotAdopted("the block is gone")
     if volume.id in rec.volumes:
         raise NotAdopted("the block is recorded on this volume already")
+    if not _looks_whole(volume, rec):
+        raise NotAdopted(f"no data and meta file of {rec.length} bytes at generation stamp "
+                         f"{rec.gs}", changed=False)
     try:
         replication = Resolver(ns).replication(ino)
     except FsError:  # a parent loop above the file (fsck reports it): the default, as fsck
         replication = ns.config.replication
-    serving = [v for v in rec.volumes if v in volumes.by_id
-               and not volumes.get(v).storage_type.transient
-               and verify_replica(volumes.get(v), block_id, rec.gs).serves(rec.length)]
-    if len(serving) >= replication:
-        raise NotAdopted(f"surplus: the block has {len(serving)} good replica(s) for "
-                         f"replication {replication}")
-    try:
-        size = os.stat(volume.data_path(block_id)).st_size
-    except OSError as exc:
-        raise NotAdopted(f"data file: {exc.strerror}", changed=False) from None
-    if size != rec.length:
-        raise NotAdopted(f"{size} bytes, the block has {rec.length}", changed=False)
+    recorded = [volumes.by_id[v] for v in rec.volumes if v in volumes.by_id
+                and not volumes.by_id[v].storage_type.transient
+                and _looks_whole(volumes.by_id[v], rec, at_least=True)]
+    if len(recorded) >= replication:
+        serving = [v for v in recorded if verify_replica(v, block_id, rec.gs).serves(rec.length)]
+        if len(serving) >= replication:
+            raise NotAdopted(f"surplus: the block has {len(serving)} good replica(s) for "
+                             f"replication {replication}")
     verdict = verify_replica(volume, block_id, rec.gs)
     if not verdict.is_whole(rec.length):
         raise NotAdopted(f"not a whole replica at generation stamp {rec.gs}: "
@@ -454,6 +469,17 @@ def adopt_replica(ns: Namespace, volumes: VolumeSet, volume: Volume, ino: int, i
     for gs in volume.meta_gss(block_id):
         if gs != rec.gs:
             _unlink(volume.meta_path(block_id, gs))
+
+
+def _looks_whole(volume: Volume, rec: BlockRecord, at_least: bool = False) -> bool:
+    """Whether a volume has a data file of the block's length (or longer, ``at_least``)
+    and a meta file of its stamp, without reading them."""
+    try:
+        size = os.stat(volume.data_path(rec.block_id)).st_size
+        os.stat(volume.meta_path(rec.block_id, rec.gs))
+    except OSError:
+        return False
+    return size >= rec.length if at_least else size == rec.length
 
 
 def _unlink(path) -> None:

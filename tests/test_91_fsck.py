@@ -713,6 +713,73 @@ def test_a_bad_chunk_under_a_dead_lease_is_not_called_healthy(plain, tmp_path, c
     assert "checksum mismatch" in out
 
 
+def test_old_copy_beside_a_replica_newer_than_the_namespace(plain, tmp_path, capsys):
+    """An append whose transactions were lost (the namespace put back as it was before)
+    left the recorded replica newer than the namespace, and an old copy of the block lies
+    on another volume: the newest replica wins, through the mount as through --repair.
+    Before: both recorded the old copy first; repair then dropped the newer replica (the
+    appended bytes lost) and the mount left the copy's data file behind."""
+    rec = blocks_at(plain, "/x")[0]
+    saved = tmp_path / "saved"
+    copy_replica_files(plain / "disk", saved, rec.block_id)
+    shutil.copytree(plain / "namespace", tmp_path / "old-namespace")
+    mount = Mount(plain, tmp_path / "mnt").start()
+    with open(mount.mountpoint / "x", "ab") as f:
+        f.write(b"y" * 100)
+    mount.stop()
+    shutil.rmtree(plain / "namespace")
+    shutil.copytree(tmp_path / "old-namespace", plain / "namespace")
+    copy_replica_files(saved, plain / "archive", rec.block_id)
+    code, out, _ = fsck(plain, capsys=capsys)
+    assert kinds(out) == {"NEWER_REPLICA", "LOST_BLOCK", "ORPHAN_REPLICA"}, out
+    repaired = Path(shutil.copytree(plain, tmp_path / "repaired", symlinks=True))
+    fsck(repaired, "--repair", capsys=capsys)
+    for data in (plain, repaired):
+        mount = Mount(data, tmp_path / "mnt").start()
+        try:
+            assert (mount.mountpoint / "x").read_bytes() == b"x" * 10_000 + b"y" * 100
+        finally:
+            mount.stop()
+        assert not list((data / "archive").rglob(f"blk_{rec.block_id}*"))
+        assert fsck_process(data).returncode == 0
+
+
+def test_replica_whose_index_row_is_lost_is_kept_by_the_mount(plain, tmp_path, capsys):
+    """The block record lists the volume but the replicas index lost its row: the files
+    are the block's replica all the same. Before: the mount deleted them as unrecorded."""
+    rec = blocks_at(plain, "/x")[0]
+    (disk_id,) = rec.volumes
+    with namespace_rows(plain) as (db, txn):
+        txn.delete(schema.replica_key(disk_id, rec.block_id), db=db("replicas"))
+    code, out, _ = fsck(plain, capsys=capsys)
+    assert (code, kinds(out)) == (1, {"REPLICA_INDEX"}), out
+    mount = Mount(plain, tmp_path / "mnt").start()
+    try:
+        assert (mount.mountpoint / "x").read_bytes() == b"x" * 10_000
+    finally:
+        mount.stop()
+    assert "replicas index has no row for it: its files are kept" in mount.log_text()
+    assert_repairs(plain, {"REPLICA_INDEX"}, capsys)
+
+
+def test_copy_of_a_linked_file_listed_as_orphan_is_recorded(plain, tmp_path, capsys):
+    """A file still named but listed in the orphan table is not purged by the mount, so
+    the unrecorded copy that its corrupt block needs is recorded, by --repair as by the
+    mount. Before: fsck called the copy an orphan and --repair deleted it."""
+    rec = blocks_at(plain, "/x")[0]
+    data_file, _ = replica_files(plain / "disk", rec.block_id)
+    copy, _ = copy_replica_files(plain / "disk", plain / "archive", rec.block_id)
+    flip_byte(data_file, 9000)
+    ino = inode_at(plain, "/x").ino
+    with namespace_rows(plain) as (db, txn):
+        txn.put(u64(ino), b"", db=db("orphans"))
+    code, out, _ = fsck(plain, capsys=capsys)
+    assert "UNRECORDED_REPLICA" in kinds(out) and "ORPHAN_LINKED" in kinds(out), out
+    code, repaired, _ = fsck(plain, "--repair", capsys=capsys)
+    assert "not repaired" not in repaired and repaired.rstrip().endswith("is HEALTHY"), repaired
+    assert copy.read_bytes() == b"x" * 10_000
+
+
 def test_copy_of_a_block_under_a_dead_lease_is_not_recorded(plain, tmp_path, capsys):
     """Lease recovery runs first and may re-stamp or cut the file's blocks, and tierfs never
     copies a block of a file open for writing: such a copy is an orphan, for fsck as for

@@ -60,6 +60,7 @@ class _Checker:
         self.misplaced: dict[int, list[Path]] = {}
         # block id -> [servable persistent replicas, the file's replication]
         self.serving: dict[int, list[int]] = {}
+        self.newer_files: set[int] = set()   # files with a replica newer than the namespace
         self.unverified_leases: set[int] = set()  # leased files with a bad replica chunk
 
     def problem(self, kind: str, where: str, message: str, key: tuple,
@@ -442,6 +443,8 @@ class _Checker:
         leased = ino in self.snap.leases
         path = self.snap.path_of(ino)
         states = [self.judge_replica(rec, vid, leased) for vid in rec.volumes]
+        if any(s.status == "newer" for s in states):
+            self.newer_files.add(ino)
         good = [s.volume_id for s in states if s.good]
         for state in states:
             self._report_replica(path, ino, index, rec, state, good, leased)
@@ -634,11 +637,16 @@ class _Checker:
         """Files of a known block on a volume it does not record (a copy whose recording
         was lost): a whole replica at the block's stamp that the block needs is no damage,
         and the next mount's volume scan records it, as --repair does now; the rule is
-        ``tierfs.fs.recovery.adopt_replica``'s. Not for files under a lease or unlinked:
-        their recovery comes first and may re-stamp or purge the block."""
+        ``tierfs.fs.recovery.adopt_replica``'s. Not for files under a lease, unlinked ones
+        the mount purges, or files with a replica newer than the namespace: their recovery
+        comes first and may re-stamp, cut or purge the block."""
         ino = key[0]
         serving = self.serving.get(rec.block_id)
-        if ino in self.snap.leases or ino in self.snap.orphans or serving is None:
+        snap = self.snap
+        inode = snap.inodes.get(ino)
+        if inode is None or serving is None or ino in snap.leases or ino in self.newer_files:
+            return False
+        if ino in snap.orphans and not snap.links.get(ino) and not inode.nlink:
             return False
         if serving[0] >= serving[1] or found.data_len != rec.length:
             return False
