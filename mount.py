@@ -355,6 +355,7 @@ async def serve(ops: Operations, blockio: BlockIO, ns: Namespace, mountpoint: st
         if read_only:
             log.info("read-only mount: bad or missing replicas are not repaired")
         else:
+            ops.on_replication_change = ops.replication.replication_may_change
             nursery.start_soon(ops.replication.run)
         fuseloop.install()
         await pyfuse3.main()

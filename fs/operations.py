@@ -25,6 +25,7 @@ import os
 import stat
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import pyfuse3
 import trio
@@ -33,8 +34,9 @@ from tierfs.fs import caller
 from tierfs.fs.blockio import BlockIO, OpenFile
 from tierfs.fs.errors import OUT_OF_DESCRIPTORS, FsError, LimitError
 from tierfs.fs.lograte import RepeatedWarnings
-from tierfs.fs.namespace import NAME_MAX, RENAME_WHITEOUT, Namespace
-from tierfs.fs.policy_xattrs import PolicyXattrs, is_policy_xattr
+from tierfs.fs.inherited import RenameMode
+from tierfs.fs.namespace import NAME_MAX, RENAME_EXCHANGE, RENAME_WHITEOUT, Namespace
+from tierfs.fs.policy_xattrs import REPLICATION, PolicyXattrs, is_policy_xattr
 from tierfs.fs.schema import ROOT_INO, Inode
 from tierfs.fs.times import storable_time_ns
 
@@ -130,6 +132,9 @@ class Operations(pyfuse3.Operations):
         self._next_fh = 1
         self.initialized = trio.Event()
         self.nursery: trio.Nursery | None = None  # background work, set by the mount
+        # ReplicationMonitor.replication_may_change, set by the mount: the replication
+        # wanted at or below an inode may have changed.
+        self.on_replication_change: Callable[[int], None] = lambda ino: None
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -390,6 +395,16 @@ class Operations(pyfuse3.Operations):
         self.ns.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags,
                        time.time_ns(), busy=self._busy, whiteout_owner=whiteout_owner)
         self._after_unlink()
+        if self.ns.rename_mode is RenameMode.FOLLOW:  # what was moved takes its new place's
+            self._placement_may_change(parent_inode_new, name_new)
+            if flags & RENAME_EXCHANGE:
+                self._placement_may_change(parent_inode_old, name_old)
+
+    def _placement_may_change(self, parent: int, name: bytes) -> None:
+        try:
+            self.on_replication_change(self.ns.lookup(parent, name).ino)
+        except FsError:
+            pass  # gone again: nothing to look at
 
     # --- files -----------------------------------------------------------------------------
 
@@ -577,7 +592,10 @@ class Operations(pyfuse3.Operations):
     async def setxattr(self, inode, name, value, ctx):
         self._check_xattr_name(name)
         if is_policy_xattr(name):
-            return self.policy_xattrs.set(inode, name, value)
+            self.policy_xattrs.set(inode, name, value)
+            if name == REPLICATION:
+                self.on_replication_change(inode)
+            return None
         if len(value) > XATTR_VALUE_MAX:
             raise FsError(errno.E2BIG, "attribute value too large")
         try:
@@ -606,7 +624,10 @@ class Operations(pyfuse3.Operations):
     async def removexattr(self, inode, name, ctx):
         self._check_xattr_name(name)
         if is_policy_xattr(name):
-            return self.policy_xattrs.remove(inode, name)
+            self.policy_xattrs.remove(inode, name)
+            if name == REPLICATION:
+                self.on_replication_change(inode)
+            return None
         self.ns.remove_xattr(inode, name, time.time_ns())
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import errno
 import heapq
 import logging
+import stat
 import time
 from dataclasses import dataclass
 
@@ -99,6 +100,8 @@ class ReplicationMonitor:
         # Volumes where a copy of a block failed (e.g. leftovers of a dropped replica that
         # could not be deleted yet): the next attempt goes elsewhere.
         self.avoid: dict[tuple[int, int], set[int]] = {}
+        # Inodes whose files' wanted replication may have changed (an ordered set).
+        self.changed: dict[int, None] = {}
         blockio.on_needs_replication = self.note
         blockio.on_bad_replica = self.report_bad
 
@@ -164,12 +167,55 @@ class ReplicationMonitor:
             await trio.sleep(0)
         return queued
 
+    def replication_may_change(self, ino: int) -> None:
+        """The replication wanted at or below ``ino`` may have changed: a replication set
+        or removed there, or ``ino`` renamed (it takes its new place's value). Its files
+        are looked at again in the background, as HDFS's setReplication queues a file's
+        blocks at once. A lowered replication leaves the surplus (fsck --repair removes
+        it)."""
+        self.changed[ino] = None
+
+    async def walk_changed(self) -> int:
+        """Queue the under-replicated blocks of every file at or below the inodes noted by
+        ``replication_may_change``; returns how many. Yields between directory batches, so
+        a subtree of any size is walked without holding up requests."""
+        queued = 0
+        while self.changed:
+            stack = [self.changed.popitem()[0]]
+            while stack:
+                ino = stack.pop()
+                try:
+                    mode = self.ns.get_inode(ino).mode
+                except FsError:
+                    continue  # removed meanwhile
+                if stat.S_ISREG(mode):
+                    queued += self._note_short_blocks(ino)
+                    continue
+                cookie = 0
+                while stat.S_ISDIR(mode) and (rows := self.ns.readdir(ino, cookie, BATCH)):
+                    for cookie, _name, child, fields in rows:
+                        if stat.S_ISDIR(fields[0]):
+                            stack.append(child)
+                        elif stat.S_ISREG(fields[0]):
+                            queued += self._note_short_blocks(child)
+                    await trio.sleep(0)
+        return queued
+
+    def _note_short_blocks(self, ino: int) -> int:
+        replication = self._replication(ino)
+        short = [index for index, rec in self.ns.get_blocks(ino).items()
+                 if self._persistent_count(rec) < replication]
+        for index in short:
+            self.note(ino, index)
+        return len(short)
+
     # --- the task ----------------------------------------------------------------------------
 
     async def run(self) -> None:
         await self.scan()
         while True:
             await trio.sleep(ROUND_SECONDS)
+            await self.walk_changed()
             await self.round()
 
     async def round(self) -> int:

@@ -549,6 +549,32 @@ def test_stale_replica_removed_by_fsck_repair(make_fs, tmp_path):
     finish(mount)
 
 
+# --- a replication raised on a live mount ---------------------------------------------------------
+
+
+def test_replication_raised_by_setfattr_or_rename_is_met_at_once(make_fs):
+    """Raising the replication of a file, of a directory above files, or moving a file
+    under such a directory, makes the monitor copy the blocks now, as HDFS's setrep does.
+    Before: nothing happened until the next mount's scan."""
+    mount = make_fs(1)
+    mnt = mount.mountpoint
+    (mnt / "d").mkdir()
+    contents = {rel: pattern(i, 2 * BLOCK + 100) for i, rel in enumerate(("/f", "/d/g", "/h"))}
+    for rel, content in contents.items():
+        write_file(mnt / rel.lstrip("/"), content)
+        wait_for_full_replication(mount, rel, content, 1, 3)
+    os.setxattr(mnt / "f", "user.tierfs.replication", b"2")
+    wait_for_full_replication(mount, "/f", contents["/f"], 2, 3)
+    os.setxattr(mnt / "d", "user.tierfs.replication", b"3")
+    wait_for_full_replication(mount, "/d/g", contents["/d/g"], 3, 3)
+    os.rename(mnt / "h", mnt / "d" / "h")
+    wait_for_full_replication(mount, "/d/h", contents["/h"], 3, 3)
+    os.removexattr(mnt / "f", "user.tierfs.replication")   # lowered: the surplus stays
+    assert os.getxattr(mnt / "f", "user.tierfs.replication") == b"1"
+    assert os.getxattr(mnt / "f", "user.tierfs.satisfied").startswith(b"no: 3 of 3 blocks have more")
+    finish(mount)
+
+
 # --- replica files the namespace does not record on their volume -------------------------------
 
 
