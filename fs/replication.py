@@ -215,7 +215,11 @@ class ReplicationMonitor:
         await self.scan()
         while True:
             await trio.sleep(ROUND_SECONDS)
-            await self.walk_changed()
+            try:
+                await self.walk_changed()
+            except Exception:  # noqa: BLE001 - background work must not end the mount
+                log.exception("looking at files whose replication changed failed; the next "
+                              "mount's scan finds what they still need")
             await self.round()
 
     async def round(self) -> int:
