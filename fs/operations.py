@@ -378,8 +378,20 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def unlink(self, parent_inode, name, ctx):
+        linked = self._other_links(parent_inode, name)
         self.ns.unlink(parent_inode, name, time.time_ns(), directory=False, busy=self._busy)
         self._after_unlink()
+        if linked is not None:  # may now take its replication from another link's place
+            self.on_replication_change(linked)
+
+    def _other_links(self, parent: int, name: bytes) -> int | None:
+        """The file at ``name`` if it has other names too (a hard link's primary parent,
+        which decides its inherited values, moves to another when this name goes)."""
+        try:
+            inode = self.ns.lookup(parent, name)
+        except FsError:
+            return None  # the unlink itself reports it
+        return inode.ino if inode.nlink > 1 and not stat.S_ISDIR(inode.mode) else None
 
     @handler
     async def rmdir(self, parent_inode, name, ctx):
@@ -392,9 +404,13 @@ class Operations(pyfuse3.Operations):
         if flags & RENAME_WHITEOUT:  # owned as a new node in the old directory would be
             uid, gid, _ = self._new_owner(self.ns.get_inode(parent_inode_old), stat.S_IFCHR, ctx)
             whiteout_owner = (uid, gid)
+        replaced = None if flags & RENAME_EXCHANGE else self._other_links(parent_inode_new,
+                                                                          name_new)
         self.ns.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags,
                        time.time_ns(), busy=self._busy, whiteout_owner=whiteout_owner)
         self._after_unlink()
+        if replaced is not None:  # as in unlink
+            self.on_replication_change(replaced)
         if self.ns.rename_mode is RenameMode.FOLLOW:  # what was moved takes its new place's
             self._placement_may_change(parent_inode_new, name_new)
             if flags & RENAME_EXCHANGE:

@@ -177,29 +177,40 @@ class ReplicationMonitor:
 
     async def walk_changed(self) -> int:
         """Queue the under-replicated blocks of every file at or below the inodes noted by
-        ``replication_may_change``; returns how many. Yields between directory batches, so
-        a subtree of any size is walked without holding up requests."""
+        ``replication_may_change`` so far; returns how many. Notes that arrive meanwhile
+        wait for the next round, so that a stream of them (setfattr or mv in a loop over a
+        big tree) cannot hold off the copies. Yields every BATCH inodes, directories
+        included, so a subtree of any size is walked without holding up requests."""
         queued = 0
-        while self.changed:
-            stack = [self.changed.popitem()[0]]
-            while stack:
-                ino = stack.pop()
-                try:
-                    mode = self.ns.get_inode(ino).mode
-                except FsError:
-                    continue  # removed meanwhile
-                if stat.S_ISREG(mode):
-                    queued += self._note_short_blocks(ino)
-                    continue
-                cookie = 0
-                while stat.S_ISDIR(mode) and (rows := self.ns.readdir(ino, cookie, BATCH)):
-                    for cookie, _name, child, fields in rows:
-                        if stat.S_ISDIR(fields[0]):
-                            stack.append(child)
-                        elif stat.S_ISREG(fields[0]):
-                            queued += self._note_short_blocks(child)
-                    await trio.sleep(0)
+        roots = list(self.changed)
+        self.changed.clear()
+        for count, (ino, mode) in enumerate(self._inodes_below(roots), 1):
+            if stat.S_ISREG(mode):
+                queued += self._note_short_blocks(ino)
+            if count % BATCH == 0:
+                await trio.sleep(0)
         return queued
+
+    def _inodes_below(self, roots: list[int]):
+        """(inode, mode) of ``roots`` and of everything below them, depth first, reading
+        one readdir batch at a time (no transaction held between them): what is removed
+        meanwhile is simply not met. Only directories wait on the stack."""
+        stack = []
+        for ino in roots:
+            try:
+                stack.append((ino, self.ns.get_inode(ino).mode))
+            except FsError:
+                pass  # removed meanwhile
+        while stack:
+            ino, mode = stack.pop()
+            yield ino, mode
+            cookie = 0
+            while stat.S_ISDIR(mode) and (rows := self.ns.readdir(ino, cookie, BATCH)):
+                for cookie, _name, child, fields in rows:
+                    if stat.S_ISDIR(fields[0]):
+                        stack.append((child, fields[0]))
+                    else:
+                        yield child, fields[0]
 
     def _note_short_blocks(self, ino: int) -> int:
         replication = self._replication(ino)

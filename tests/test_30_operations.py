@@ -30,6 +30,7 @@ import trio
 from tierfs import mount
 from tierfs.fs.errors import FsError
 from tierfs.fs.operations import XATTR_INODE_MAX, XATTR_VALUE_MAX
+from tierfs.fs.replication import ReplicationMonitor
 from tierfs.fs.schema import ROOT_INO, Op, parse_journal_record, u64
 from tierfs.tools.fsck import Fsck
 from tierfs.backends.storage_types import StorageType
@@ -1339,3 +1340,31 @@ def test_the_daemon_settles_unsynced_blocks_beyond_the_limit(fs, monkeypatch):
     monkeypatch.setattr(mount, "UNSYNCED_FILES_MAX", 2)
     trio.run(settle_for_a_while)
     assert fs.blockio.unsynced == {}
+
+
+def test_replication_walk_takes_only_what_was_noted_before_it(fs):
+    """Notes that keep arriving while the monitor walks a big directory (setfattr or mv
+    in a loop) wait for the next round, so the copies are not held off. Before: the walk
+    started over for every new note, and never returned while they kept coming."""
+    monitor = ReplicationMonitor(fs.ns, fs.blockio.volumes, fs.blockio, fs.ops.resolver)
+    d = fs.mkdir(b"d")
+    for i in range(600):
+        fh, _ = fs.create(f"f{i}".encode(), parent=d)
+        fs.release(fh)
+
+    async def main() -> None:
+        monitor.replication_may_change(d)
+
+        async def keep_noting() -> None:
+            while True:
+                monitor.replication_may_change(d)
+                await trio.sleep(0)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(keep_noting)
+            with trio.fail_after(10):
+                await monitor.walk_changed()
+            nursery.cancel_scope.cancel()
+        assert list(monitor.changed) == [d]     # for the next round
+
+    trio.run(main)

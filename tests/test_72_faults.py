@@ -554,8 +554,9 @@ def test_stale_replica_removed_by_fsck_repair(make_fs, tmp_path):
 
 def test_replication_raised_by_setfattr_or_rename_is_met_at_once(make_fs):
     """Raising the replication of a file, of a directory above files, or moving a file
-    under such a directory, makes the monitor copy the blocks now, as HDFS's setrep does.
-    Before: nothing happened until the next mount's scan."""
+    under such a directory (or removing the first name of a hard-linked file whose other
+    name is there), makes the monitor copy the blocks now, as HDFS's setrep does. Before:
+    nothing happened until the next mount's scan."""
     mount = make_fs(1)
     mnt = mount.mountpoint
     (mnt / "d").mkdir()
@@ -569,6 +570,19 @@ def test_replication_raised_by_setfattr_or_rename_is_met_at_once(make_fs):
     wait_for_full_replication(mount, "/d/g", contents["/d/g"], 3, 3)
     os.rename(mnt / "h", mnt / "d" / "h")
     wait_for_full_replication(mount, "/d/h", contents["/h"], 3, 3)
+    # A hard link's first name decides; when it goes, the file takes the next one's value.
+    for i, how in enumerate(("unlink", "replace")):
+        first, second = mnt / f"first{i}", mnt / "d" / f"second{i}"
+        content = pattern(10 + i, BLOCK + 1)
+        write_file(first, content)
+        os.link(first, second)
+        wait_for_full_replication(mount, f"/d/second{i}", content, 1, 2)
+        if how == "unlink":
+            first.unlink()
+        else:
+            write_file(mnt / "other", b"other")
+            os.rename(mnt / "other", first)
+        wait_for_full_replication(mount, f"/d/second{i}", content, 3, 2)
     os.removexattr(mnt / "f", "user.tierfs.replication")   # lowered: the surplus stays
     assert os.getxattr(mnt / "f", "user.tierfs.replication") == b"1"
     assert os.getxattr(mnt / "f", "user.tierfs.satisfied").startswith(b"no: 3 of 3 blocks have more")
