@@ -91,7 +91,7 @@ def _enoent(what: str) -> FsError:
 class _Write:
     """The context handed to a mutation body: the transaction, its TxID, its record."""
 
-    __slots__ = ("txn", "txid", "args", "trash")
+    __slots__ = ("txn", "txid", "args", "trash", "inherited_changed")
 
     def __init__(self, txn: lmdb.Transaction, txid: int, args: tuple):
         self.txn = txn
@@ -99,6 +99,10 @@ class _Write:
         self.args = args
         # Replicas dropped by this transaction: (block_id, gs, volumes) to delete after commit.
         self.trash: list[tuple[int, int, tuple[int, ...]]] = []
+        # Inodes at or below which inherited values may have changed without a set:
+        # moved by a rename in follow mode, or a hard link whose first name (``parent``,
+        # which decides its values) this transaction removed.
+        self.inherited_changed: list[int] = []
 
 
 class Namespace:
@@ -115,6 +119,7 @@ class Namespace:
         # Mutations committed through this object. A mount is the only writer (the mount
         # lock keeps repairs out), so an unchanged count means an unchanged namespace.
         self.commits = 0
+        self.last_inherited_changed: list[int] = []  # of the last mutation (``_Write``)
 
     # --- opening ------------------------------------------------------------------------
 
@@ -232,7 +237,8 @@ class Namespace:
         """Run ``body`` in one write transaction with a fresh TxID and a journal record.
 
         Returns ``(result, trash)``-free: the body's result. Replicas the body trashed are
-        available through ``self.last_trash`` for deletion after the commit.
+        available through ``self.last_trash`` for deletion after the commit, and inodes
+        whose inherited values may have changed through ``self.last_inherited_changed``.
         """
         while True:
             txn = self.env.begin(write=True)
@@ -254,6 +260,7 @@ class Namespace:
                 txn.abort()
                 raise
             self.last_trash = w.trash
+            self.last_inherited_changed = w.inherited_changed
             return result
 
     def _grow_map(self) -> None:
@@ -438,6 +445,7 @@ class Namespace:
             return
         if stat.S_ISDIR(inode.mode) or any(changed for _, _, changed in plans):
             self._index_subtree(w, inode.ino, SatisfyReason.RENAME)
+            w.inherited_changed.append(inode.ino)
 
     # --- reads ------------------------------------------------------------------------------
 
@@ -682,6 +690,7 @@ class Namespace:
             other = self._any_backlink(w.txn, child.ino)
             if other is not None:
                 child.parent = other
+                w.inherited_changed.append(child.ino)
         self._put_inode(w.txn, child)
         if child.nlink == 0:
             self._unlinked(w, child, busy(child.ino))

@@ -34,8 +34,7 @@ from tierfs.fs import caller
 from tierfs.fs.blockio import BlockIO, OpenFile
 from tierfs.fs.errors import OUT_OF_DESCRIPTORS, FsError, LimitError
 from tierfs.fs.lograte import RepeatedWarnings
-from tierfs.fs.inherited import RenameMode
-from tierfs.fs.namespace import NAME_MAX, RENAME_EXCHANGE, RENAME_WHITEOUT, Namespace
+from tierfs.fs.namespace import NAME_MAX, RENAME_WHITEOUT, Namespace
 from tierfs.fs.policy_xattrs import REPLICATION, PolicyXattrs, is_policy_xattr
 from tierfs.fs.schema import ROOT_INO, Inode
 from tierfs.fs.times import storable_time_ns
@@ -195,11 +194,6 @@ class Operations(pyfuse3.Operations):
 
     def _busy(self, ino: int) -> bool:
         return self.lookups.get(ino, 0) > 0 or ino in self.blockio.files
-
-    def _after_unlink(self) -> None:
-        """The files of the blocks the last transaction purged are deleted once it is on
-        disk (``BlockIO.defer_trash``)."""
-        self.blockio.defer_trash(self.ns.last_trash)
 
     def _maybe_purge(self, ino: int) -> None:
         if self._busy(ino) or ino == ROOT_INO:
@@ -378,20 +372,16 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def unlink(self, parent_inode, name, ctx):
-        linked = self._other_links(parent_inode, name)
         self.ns.unlink(parent_inode, name, time.time_ns(), directory=False, busy=self._busy)
         self._after_unlink()
-        if linked is not None:  # may now take its replication from another link's place
-            self.on_replication_change(linked)
 
-    def _other_links(self, parent: int, name: bytes) -> int | None:
-        """The file at ``name`` if it has other names too (a hard link's primary parent,
-        which decides its inherited values, moves to another when this name goes)."""
-        try:
-            inode = self.ns.lookup(parent, name)
-        except FsError:
-            return None  # the unlink itself reports it
-        return inode.ino if inode.nlink > 1 and not stat.S_ISDIR(inode.mode) else None
+    def _after_unlink(self) -> None:
+        """The files of the blocks the last transaction (unlink, rename, purge) purged are
+        deleted once it is on disk (``BlockIO.defer_trash``); what it moved, or the
+        hard-linked file whose first name it removed, may want another replication now."""
+        self.blockio.defer_trash(self.ns.last_trash)
+        for ino in self.ns.last_inherited_changed:
+            self.on_replication_change(ino)
 
     @handler
     async def rmdir(self, parent_inode, name, ctx):
@@ -404,23 +394,9 @@ class Operations(pyfuse3.Operations):
         if flags & RENAME_WHITEOUT:  # owned as a new node in the old directory would be
             uid, gid, _ = self._new_owner(self.ns.get_inode(parent_inode_old), stat.S_IFCHR, ctx)
             whiteout_owner = (uid, gid)
-        replaced = None if flags & RENAME_EXCHANGE else self._other_links(parent_inode_new,
-                                                                          name_new)
         self.ns.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags,
                        time.time_ns(), busy=self._busy, whiteout_owner=whiteout_owner)
         self._after_unlink()
-        if replaced is not None:  # as in unlink
-            self.on_replication_change(replaced)
-        if self.ns.rename_mode is RenameMode.FOLLOW:  # what was moved takes its new place's
-            self._placement_may_change(parent_inode_new, name_new)
-            if flags & RENAME_EXCHANGE:
-                self._placement_may_change(parent_inode_old, name_old)
-
-    def _placement_may_change(self, parent: int, name: bytes) -> None:
-        try:
-            self.on_replication_change(self.ns.lookup(parent, name).ino)
-        except FsError:
-            pass  # gone again: nothing to look at
 
     # --- files -----------------------------------------------------------------------------
 

@@ -161,9 +161,7 @@ class ReplicationMonitor:
         queued = 0
         for batch in self.ns.iter_block_batches(BATCH):
             for ino, index, rec in batch:
-                if self._persistent_count(rec) < self._replication(ino):
-                    self.note(ino, index)
-                    queued += 1
+                queued += self._note_if_short(ino, index, rec, self._replication(ino))
             await trio.sleep(0)
         return queued
 
@@ -214,11 +212,15 @@ class ReplicationMonitor:
 
     def _note_short_blocks(self, ino: int) -> int:
         replication = self._replication(ino)
-        short = [index for index, rec in self.ns.get_blocks(ino).items()
-                 if self._persistent_count(rec) < replication]
-        for index in short:
+        return sum(self._note_if_short(ino, index, rec, replication)
+                   for index, rec in self.ns.get_blocks(ino).items())
+
+    def _note_if_short(self, ino: int, index: int, rec: BlockRecord, replication: int) -> bool:
+        """Queue the block if it has fewer persistent replicas than ``replication``."""
+        short = self._persistent_count(rec) < replication
+        if short:
             self.note(ino, index)
-        return len(short)
+        return short
 
     # --- the task ----------------------------------------------------------------------------
 
