@@ -1022,6 +1022,31 @@ def test_mkfs_refuses_a_zero_block_size_and_a_volume_smaller_than_a_block(tmp_pa
     assert r.returncode == 0, r.stderr
 
 
+def test_a_failed_mkfs_removes_the_parent_directories_it_made(tmp_path):
+    """mkfs makes missing parents of DATA and of each volume, as ``mkdir -p`` would; when
+    it fails it removes them too, not only the last directory of each path. It left
+    DATA's and the volumes' parents behind, so a typo'd path cluttered the disk."""
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "x").write_text("")
+    data = tmp_path / "a" / "b" / "data"
+    r = tierfs("mkfs", str(data), "--volume", f"SSD:{tmp_path}/p/q/ssd",
+               "--volume", f"DISK:{taken}")
+    assert r.returncode == 1 and r.stderr == f"tierfs mkfs: volume directory {taken} is not empty\n"
+    assert sorted(os.listdir(tmp_path)) == ["taken"]
+    assert os.listdir(taken) == ["x"]
+    # A parent that was there before stays, and so does one made meanwhile by someone else.
+    (tmp_path / "a").mkdir()
+    r = tierfs("mkfs", str(data), "--volume", f"DISK:{taken}")
+    assert r.returncode == 1
+    assert sorted(os.listdir(tmp_path)) == ["a", "taken"] and os.listdir(tmp_path / "a") == []
+    assert mkfs._make_dirs(tmp_path / "a") == []
+    # The same paths work once the refused volume is out of the way.
+    r = tierfs("mkfs", str(data), "--volume", f"SSD:{tmp_path}/p/q/ssd")
+    assert r.returncode == 0, r.stderr
+    assert run_tool("fsck", str(data)).returncode == 0
+
+
 def test_mkfs_on_a_disk_that_fills_leaves_nothing_half_made(tmp_path):
     """Whatever step runs out of room (a volume's layout, its identity file, the namespace's
     pages, LMDB's lock file), mkfs says so in one line and leaves no part of a filesystem,

@@ -118,12 +118,7 @@ def make_filesystem(data_dir: Path, volumes: list[VolumeSpec] | None = None, *,
     volumes = volumes or default_volumes(data_dir)
     _validate(data_dir, volumes, block_size, bytes_per_checksum, replication, rename_mode)
     policy = PolicySuite().get(default_policy)  # ValueError for an unknown name
-    made_data_dir = not data_dir.exists()
-    try:
-        data_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise FsError(exc.errno or errno.EIO,
-                      f"cannot create {data_dir}: {exc.strerror or exc}") from None
+    made_dirs = _make_dirs(data_dir)
     fs_uuid = str(uuidlib.uuid4())
     configs = []
     made: list[tuple[str, bool]] = []   # volume directories touched: (path, existed)
@@ -134,6 +129,7 @@ def make_filesystem(data_dir: Path, volumes: list[VolumeSpec] | None = None, *,
                 _clear_layout(os.path.abspath(spec.path))
         write_durably(data_dir / MKFS_MARK, fs_uuid.encode() + b"\n")
         for volume_id, spec in enumerate(volumes, start=1):
+            made_dirs += _make_dirs(Path(os.path.abspath(spec.path)).parent)
             existed = os.path.exists(spec.path)
             try:
                 vol = Volume.format(spec.path, fs_uuid=fs_uuid, volume_id=volume_id,
@@ -153,13 +149,36 @@ def make_filesystem(data_dir: Path, volumes: list[VolumeSpec] | None = None, *,
         _undo_volumes(made, fs_uuid)
         with contextlib.suppress(OSError):
             os.unlink(data_dir / MKFS_MARK)
-        if made_data_dir:
+        for path in reversed(made_dirs):
             with contextlib.suppress(OSError):
-                data_dir.rmdir()
+                path.rmdir()
         raise
     with contextlib.suppress(OSError):  # a mark left behind is ignored beside a namespace
         os.unlink(data_dir / MKFS_MARK)
     return config
+
+
+def _make_dirs(path: Path) -> list[Path]:
+    """Make ``path`` and its missing parents; the directories this call made, outermost
+    first, so that a failed mkfs removes exactly those (``mkdir -p`` would leave them)."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    made = []
+    for directory in reversed(missing):
+        try:
+            directory.mkdir()
+        except FileExistsError:
+            continue  # made meanwhile by someone else: not ours to remove
+        except OSError as exc:
+            for path in reversed(made):
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+            raise FsError(exc.errno or errno.EIO,
+                          f"cannot create {directory}: {exc.strerror or exc}") from None
+        made.append(directory)
+    return made
 
 
 def _unfinished_mkfs(data_dir: Path) -> str | None:
