@@ -510,6 +510,15 @@ def _prepare_empty_dir(path: Path) -> bool:
     return True
 
 
+def identity_fs_uuid(path: Path) -> str | None:
+    """The filesystem a volume directory's identity file names; None without a readable,
+    well-formed one (a format cut short before it, or not a volume)."""
+    try:
+        return _read_identity(path)["fs_uuid"]
+    except VolumeError:
+        return None
+
+
 def _read_identity(path: Path) -> dict:
     ident = path / IDENTITY_FILE
     try:

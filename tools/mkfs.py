@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import re
 import shutil
@@ -20,7 +19,7 @@ from pathlib import Path
 
 from tierfs.backends.storage_types import StorageType
 from tierfs.backends.volume import (FOREIGN_BUT_EMPTY, IDENTITY_FILE, Volume, check_volume_dir,
-                                     fsync_dir, write_durably)
+                                     fsync_dir, identity_fs_uuid, write_durably)
 from tierfs.fs.errors import FsError, UsageError
 from tierfs.fs.inherited import RenameMode
 from tierfs.fs.namespace import FsConfig, Namespace, VolumeConfig
@@ -149,9 +148,7 @@ def make_filesystem(data_dir: Path, volumes: list[VolumeSpec] | None = None, *,
         _undo_volumes(made, fs_uuid)
         with contextlib.suppress(OSError):
             os.unlink(data_dir / MKFS_MARK)
-        for path in reversed(made_dirs):
-            with contextlib.suppress(OSError):
-                path.rmdir()
+        _remove_dirs(made_dirs)
         raise
     with contextlib.suppress(OSError):  # a mark left behind is ignored beside a namespace
         os.unlink(data_dir / MKFS_MARK)
@@ -172,13 +169,18 @@ def _make_dirs(path: Path) -> list[Path]:
         except FileExistsError:
             continue  # made meanwhile by someone else: not ours to remove
         except OSError as exc:
-            for path in reversed(made):
-                with contextlib.suppress(OSError):
-                    path.rmdir()
+            _remove_dirs(made)
             raise FsError(exc.errno or errno.EIO,
                           f"cannot create {directory}: {exc.strerror or exc}") from None
         made.append(directory)
     return made
+
+
+def _remove_dirs(made: list[Path]) -> None:
+    """Undo ``_make_dirs``: innermost first, each only if still empty."""
+    for directory in reversed(made):
+        with contextlib.suppress(OSError):
+            directory.rmdir()
 
 
 def _unfinished_mkfs(data_dir: Path) -> str | None:
@@ -200,7 +202,7 @@ def _made_by(fs_uuid: str | None, path: Path) -> bool:
     names = set(os.listdir(path)) - FOREIGN_BUT_EMPTY
     if not names or not names <= VOLUME_LAYOUT:
         return False
-    if IDENTITY_FILE in names and _volume_fs_uuid(path) != fs_uuid:
+    if IDENTITY_FILE in names and identity_fs_uuid(path) != fs_uuid:
         return False
     return not any(files for name in ("current", "tmp") if name in names
                    for _, _, files in os.walk(path / name))
@@ -250,22 +252,12 @@ def _undo_volumes(made, fs_uuid: str) -> None:
     nothing from a directory whose identity names another filesystem (another mkfs of the
     same directory may have finished first)."""
     for path, existed in made:
-        if _volume_fs_uuid(Path(path)) not in (None, fs_uuid):
+        if identity_fs_uuid(Path(path)) not in (None, fs_uuid):
             continue
         if not existed:
             shutil.rmtree(path, ignore_errors=True)
         else:
             _clear_layout(path)
-
-
-def _volume_fs_uuid(path: Path) -> str | None:
-    """The filesystem a volume directory's identity file names; None without a readable
-    one (a format cut short before it)."""
-    try:
-        identity = json.loads((path / IDENTITY_FILE).read_bytes())
-    except (OSError, ValueError):
-        return None
-    return identity.get("fs_uuid") if isinstance(identity, dict) else None
 
 
 def _clear_layout(path: str) -> None:

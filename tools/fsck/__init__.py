@@ -103,9 +103,9 @@ Exit codes
     and the satisfier restore them while data stays readable; nor is the recovery a daemon
     that did not stop cleanly left, ``LEASE_PENDING``, ``ORPHAN_PENDING``, ``TRASH_PENDING``,
     ``UNCLEAN_STATE`` and, after such a stop, ``TMP_LEFTOVER``: the next mount does it
-    before serving anything, and a note says so; nor ``UNRECORDED_REPLICA``; but a lease whose file has a replica
-    failing its checksum is a problem, since lease recovery would take damage for a write
-    cut short); 1 problems found, including with ``--repair`` when every one was repaired (like
+    before serving anything, and a note says so; nor ``UNRECORDED_REPLICA``; but a lease
+    whose file has a replica failing its checksum is a problem, since lease recovery would
+    take damage for a write cut short); 1 problems found, including with ``--repair`` when every one was repaired (like
     e2fsck's "errors corrected"; the last line then says HEALTHY, and a second fsck exits 0
     unless blocks were lost), but not when ``--repair`` only re-replicated, removed excess
     replicas or finished that recovery; 2 usage or cannot run (DATA

@@ -168,8 +168,8 @@ _ORDER = ("make_root", "delete_trash", "drop_replica_leased", "recover_lease", "
           "delete_backlink", "remove_dentry", "add_backlink", "fix_next_cookie", "fix_cookie",
           "remove_orphan_row", "relink", "purge", "clear_symlink", "fix_nlink", "fix_parent",
           "fix_symlink_size", "delete_rows", "drop_block", "fix_size", "index_set",
-          "index_delete", "adopt_replica", "drop_replica", "truncate_replica", "unlink_meta", "delete_paths",
-          "clear_tmp", "drop_excess", "replicate", "raise_counter", "set_clean")
+          "index_delete", "adopt_replica", "drop_replica", "truncate_replica", "unlink_meta",
+          "delete_paths", "clear_tmp", "drop_excess", "replicate", "raise_counter", "set_clean")
 
 
 def _priority(problem: Problem) -> int:
