@@ -280,6 +280,10 @@ def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:
         if frozen:
             _check_frozen(data, ns)
         else:
+            if not ns.space_reserve.refill():
+                log.warning("less than %d MiB free beside the namespace: the removal reserve "
+                            "is made once there is room; until then rm may fail on a full "
+                            "disk", ns.space_reserve.size >> 20)
             unclean = ns.get_state() == "mounted"
             report = recover(ns, volumes)
             if unclean:
@@ -414,6 +418,8 @@ async def _tick(blockio: BlockIO, ns: Namespace) -> None:
             sync.failed(exc)
         else:
             sync.worked()
+        if ns.space_reserve is not None:  # after a removal used it, once there is room
+            ns.space_reserve.refill()
 
 
 async def _settle_unsynced(blockio: BlockIO) -> None:

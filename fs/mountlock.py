@@ -22,7 +22,7 @@ class MountLock:
         self.data_dir = data_dir
         self.path = data_dir / "namespace" / LOCK_NAME
         self._fd: int | None = None
-        self._frozen = False
+        self._named = False   # this holder wrote its name (DATA is writable)
 
     def acquire(self, mountpoint: Path, *, frozen: bool = False) -> None:
         """Take the lock or fail with a one-line message naming the holder. ``frozen``: DATA
@@ -43,16 +43,32 @@ class MountLock:
             holder = self.holder()
             where = f" (pid {holder[0]} on {holder[1]})" if holder and holder[0] else ""
             raise FsError(errno.EBUSY, f"{self.data_dir} is already mounted{where}") from None
-        self._frozen = frozen
         if not frozen:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode() + os.fsencode(mountpoint) + b"\n", 0)
+            try:
+                self._name_holder(fd, mountpoint)
+            except OSError:
+                os.close(fd)
+                raise
+        self._named = not frozen
         self._fd = fd
 
+    @staticmethod
+    def _name_holder(fd: int, mountpoint: Path) -> None:
+        """Written over what the file holds, then cut to length: the file keeps the disk
+        space it has, so a mount on a disk that something else filled (to free space
+        through it) does not fail for want of a page here."""
+        holder = f"{os.getpid()}\n".encode() + os.fsencode(mountpoint) + b"\n"
+        os.pwrite(fd, holder, 0)
+        os.ftruncate(fd, len(holder))
+
     def release(self) -> None:
+        """The name is cleared down to one byte, not to none, so that the file keeps its
+        first page for the next holder (``_name_holder``); a holder that cannot write the
+        file (read-only DATA) then shows as no name, as before any mount."""
         if self._fd is not None:
-            if not self._frozen:
-                os.ftruncate(self._fd, 0)
+            if self._named:
+                os.ftruncate(self._fd, 1)
+                os.pwrite(self._fd, b"\n", 0)
             os.close(self._fd)
             self._fd = None
 

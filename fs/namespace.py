@@ -28,6 +28,7 @@ import lmdb
 from tierfs.fs import inherited, schema
 from tierfs.fs.errors import FsError
 from tierfs.fs.schema import BlockRecord, Inherited, Inode, Op, ROOT_INO, SatisfyReason, u64
+from tierfs.fs.space_reserve import SpaceReserve
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,14 @@ MAX_MAP_SIZE = 1 << 40
 # disk: LMDB writes a commit's dirty pages (a few to a few hundred KiB) in one go.
 NEARLY_FULL_BYTES = 16 << 20
 MAX_READERS = 256
+# Mutations that add nothing lasting to the namespace but their journal record: removals,
+# renames, truncates, attribute changes, the bookkeeping of sizes, leases, dropped
+# replicas and the mount state. On a full disk they may use the removal reserve
+# (fs/space_reserve.py), so that the user can free space. Those that add names, inodes,
+# attributes, blocks or replicas may not: they are what fills a disk.
+MAY_USE_RESERVE = frozenset({
+    Op.UNLINK, Op.RENAME, Op.SETATTR, Op.REMOVEXATTR, Op.UPDATE_BLOCKS, Op.TRUNCATE,
+    Op.PURGE, Op.LEASE, Op.TRASH_DONE, Op.MOUNT, Op.RECOVER})
 # The size LMDB gives its lock file: a 192-byte header holding the first reader slot, and
 # 64 bytes for each other (measured with py-lmdb's LMDB: 1 reader 192, 256 readers 16,512).
 LOCK_FILE_BYTES = (MAX_READERS - 1) * 64 + 192
@@ -120,6 +129,8 @@ class Namespace:
         # lock keeps repairs out), so an unchanged count means an unchanged namespace.
         self.commits = 0
         self.last_inherited_changed: list[int] = []  # of the last mutation (``_Write``)
+        # Allocated by the mount (``refill``); tools that write use what a mount left.
+        self.space_reserve = None if readonly else SpaceReserve(path)
 
     # --- opening ------------------------------------------------------------------------
 
@@ -255,13 +266,27 @@ class Namespace:
                 continue
             except lmdb.Error as exc:
                 txn.abort()
-                raise lmdb_failure(self.path, exc) from None
+                failure = lmdb_failure(self.path, exc)
+                if failure.errno == errno.ENOSPC and self._release_reserve_for(op):
+                    continue
+                raise failure from None
             except BaseException:
                 txn.abort()
                 raise
             self.last_trash = w.trash
             self.last_inherited_changed = w.inherited_changed
             return result
+
+    def _release_reserve_for(self, op: int) -> bool:
+        """Give part of the removal reserve back to the full disk when ``op`` may use it;
+        True when the mutation should be tried again."""
+        if op not in MAY_USE_RESERVE or self.space_reserve is None:
+            return False
+        try:
+            return self.space_reserve.release_some()
+        except OSError as exc:
+            log.warning("cannot release the removal reserve: %s", exc.strerror or exc)
+            return False
 
     def _grow_map(self) -> None:
         size = self.env.info()["map_size"]

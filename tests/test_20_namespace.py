@@ -30,6 +30,7 @@ from tierfs.fs.namespace import (
     Namespace,
 )
 from tierfs.fs.schema import ROOT_INO, BlockRecord, Inherited, Inode, Op
+from tierfs.fs.space_reserve import SpaceReserve
 from tierfs.tools.mkfs import NAMESPACE_DIR, VolumeSpec, make_filesystem
 
 DIR = stat.S_IFDIR | 0o755
@@ -1097,6 +1098,42 @@ def test_everything_survives_reopen(tmp_path):
     assert ns.get_blocks(f) == {7: rec}
     assert ns.get_xattr(f, b"user.k") == b"v"
     ns.close()
+
+
+def test_on_a_full_disk_only_removals_use_the_reserve(tmp_path):
+    """Creates fill the namespace's disk until ENOSPC without touching the removal reserve
+    (fs/space_reserve.py); unlinks of everything they made still commit, taking from it;
+    it is made whole again only once the disk has room for all of it."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], check=True)
+    try:
+        make_filesystem(disk / "d", volumes=[VolumeSpec(StorageType.DISK, tmp_path / "v")])
+        filler = disk / "filler"
+        filler.write_bytes(b"\0" * (1 << 20))
+        namespace = Namespace.open(disk / "d" / NAMESPACE_DIR)
+        reserve = namespace.space_reserve = SpaceReserve(namespace.path, size=1 << 20)
+        try:
+            assert reserve.refill() and reserve.held() == 1 << 20
+            made = []
+            with pytest.raises(FsError) as caught:
+                while True:
+                    made.append(mkfile(namespace, ROOT_INO, b"f%d" % len(made)))
+                    namespace.set_xattr(made[-1], b"user.pad", b"x" * 2000, NOW)
+            assert caught.value.errno == errno.ENOSPC and len(made) > 100
+            assert reserve.held() == 1 << 20
+            for i in range(len(made)):
+                namespace.unlink(ROOT_INO, b"f%d" % i, NOW, directory=False,
+                                 busy=lambda ino: False)
+            assert namespace.readdir(ROOT_INO, 0, 10) == []
+            assert reserve.held() < 1 << 20
+            assert not reserve.refill()   # the disk is still full: nothing taken back
+            filler.unlink()
+            assert reserve.refill() and reserve.held() == 1 << 20
+        finally:
+            namespace.close()
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
 
 
 def test_a_full_namespace_disk_gives_enospc_not_eio(tmp_path):

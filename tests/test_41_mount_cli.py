@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import (MOUNT_TIERFS, TIERFS, Mount, assert_fsck_clean, assert_remount_is_clean,
-                            is_mounted, lock_is_free, run_tool)
+                            is_mounted, lock_is_free, log_since, log_size, run_tool)
 
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 
@@ -959,6 +959,101 @@ def test_a_full_volume_fails_the_write_itself_not_only_the_close(tmp_path, make_
         with mmap.mmap(f.fileno(), 4096) as m:
             m[:5] = b"shared"[:5]
     assert (mnt / "mapped").read_bytes()[:5] == b"share"
+
+
+def _fill(disk: Path, name: str = "filler") -> Path:
+    """Fill ``disk`` from outside tierfs, as another program would, to its last byte."""
+    filler = disk / name
+    with open(filler, "wb", buffering=0) as f:
+        for chunk in (1 << 20, 4096):
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * chunk)
+    assert os.statvfs(disk).f_bavail == 0
+    return filler
+
+
+def _wait_for(condition, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_removals_work_and_free_space_when_something_else_filled_the_disk(tmp_path):
+    """Another program fills the disk that holds DATA to its last byte. Adding data fails
+    with ENOSPC, but rm, rm -r, truncate, mv over a file and removexattr still work and
+    give the space back, as on ext4. Every LMDB commit needs fresh pages, so all of them
+    used to fail with ENOSPC too: the mount could not be cleared at all. The namespace
+    keeps a removal reserve for them, made again once the disk has room. A mount on such
+    a disk starts (it failed writing its lock file) and says when its reserve is short."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m", "tmpfs", str(disk)], check=True)
+    try:
+        data = disk / "data"
+        run_tool("mkfs", str(data), "--block-size", "1M")
+        mount = Mount(data, tmp_path / "mnt")
+        mount.log = tmp_path / "mount.log"   # not on the disk that fills
+        mount.start()
+        reserve = data / "namespace" / "removal.reserve"
+        mnt = mount.mountpoint
+        payload = os.urandom(8 << 20)
+        try:
+            assert reserve.stat().st_size == 8 << 20
+            for name in ("big0", "big1", "big2"):
+                (mnt / name).write_bytes(payload)
+            (mnt / "d").mkdir()
+            for i in range(200):
+                (mnt / "d" / f"f{i}").write_bytes(b"%d" % i)
+            (mnt / "keep").write_bytes(b"kept")
+            os.setxattr(mnt / "keep", "user.note", b"x" * 2000)
+            filler = _fill(disk)
+
+            r = run(["dd", "if=/dev/zero", f"of={mnt}/big1", "bs=1M", "count=1",
+                     "oflag=append", "conv=notrunc"])
+            assert r.returncode == 1 and "No space left on device" in r.stderr, r.stderr
+            assert (mnt / "big1").stat().st_size == 8 << 20
+            (mnt / "big0").unlink()
+            r = run(["rm", "-r", str(mnt / "d")])
+            assert r.returncode == 0, r.stderr
+            os.truncate(mnt / "big1", 4096)
+            os.rename(mnt / "keep", mnt / "big2")
+            os.removexattr(mnt / "big2", "user.note")
+
+            _wait_for(lambda: os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+                      >= 16 << 20, "the removed files' blocks were not freed")
+            _wait_for(lambda: reserve.stat().st_size == 8 << 20,
+                      "the removal reserve was not made again")
+            (mnt / "after").write_bytes(payload)
+            assert sorted(os.listdir(mnt)) == ["after", "big1", "big2"]
+            assert os.listxattr(mnt / "big2") == []
+        finally:
+            mount.stop()
+        assert "gave 1024 KiB of the removal reserve" in mount.log_text()
+        assert "removal reserve whole again (8 MiB)" in mount.log_text()
+        assert mount.errors_logged() == []
+
+        # What a mount finds when removals used part of the reserve and the disk is full
+        # again: it starts (the lock file and the mount state reuse their space or take
+        # from the reserve), says the reserve is short, removals work, and the reserve is
+        # made whole once there is room.
+        os.truncate(reserve, 4 << 20)
+        more = _fill(disk, "more")
+        offset = log_size(mount)
+        mount.start()
+        try:
+            assert "the removal reserve is made once there is room" in log_since(mount, offset)
+            (mnt / "big2").unlink()
+            more.unlink()
+            _wait_for(lambda: reserve.stat().st_size == 8 << 20,
+                      "the removal reserve was not made whole once there was room")
+        finally:
+            mount.stop()
+        filler.unlink()
+        assert_remount_is_clean(data, mnt, {"big1": payload[:4096], "after": payload})
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
 
 
 def _snapshot(tree: Path) -> dict[str, tuple[int, int, bytes]]:

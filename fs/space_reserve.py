@@ -1,0 +1,87 @@
+"""Room on the namespace's disk held back so that a full disk can still be cleared.
+
+Every LMDB commit writes fresh pages, so when something fills the disk that holds the
+namespace, each mutation fails with ENOSPC, rm and truncate included: the one way a user
+frees space through the mount stopped working exactly when it was needed. ext4 keeps
+blocks back for root for the same reason. tierfs keeps a fully allocated file of
+``RESERVE_BYTES`` beside the namespace. A mutation that adds nothing to the namespace
+(which ones: ``Namespace._mutate``) and finds the disk full gives back ``RELEASE_STEP`` of
+it and tries again; the daemon's tick allocates the file again once the disk has room for
+all of it.
+
+The file holds no data: it may be deleted at any time, and is made again by the next
+mount or tick.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+RESERVE_NAME = "removal.reserve"
+RESERVE_BYTES = 8 << 20
+"""A removal with its journal record needs a few pages; this is thousands of them."""
+RELEASE_STEP = 1 << 20
+
+
+class SpaceReserve:
+    """The reserve file of one namespace directory."""
+
+    def __init__(self, namespace_dir: Path, size: int = RESERVE_BYTES):
+        self.path = namespace_dir / RESERVE_NAME
+        self.size = size
+        self.short = True   # not known to be allocated in full until ``refill`` says so
+        self.released = False   # some of it went to a removal since it was last whole
+
+    def held(self) -> int:
+        """Bytes the reserve holds now (0 when the file is missing)."""
+        try:
+            return os.stat(self.path).st_size
+        except FileNotFoundError:
+            return 0
+
+    def release_some(self) -> bool:
+        """Give ``RELEASE_STEP`` back to the disk; False when nothing was left to give."""
+        held = self.held()
+        if held == 0:
+            return False
+        left = max(0, held - RELEASE_STEP)
+        os.truncate(self.path, left)
+        self.short = self.released = True
+        log.warning("namespace disk full: gave %d KiB of the removal reserve to a removal "
+                    "(%d KiB left)", (held - left) >> 10, left >> 10)
+        return True
+
+    def refill(self) -> bool:
+        """Allocate the reserve in full when the disk has room for all of it; True when it
+        is full. Never takes part of what is missing: a disk that has only some of it is
+        left to the user's writes (which would otherwise fail for a reserve that still
+        could not be made whole)."""
+        if not self.short:
+            return True
+        held = self.held()
+        try:
+            st = os.statvfs(self.path.parent)
+            if st.f_bavail * st.f_frsize < self.size - held:
+                return False
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, self.size)
+            except OSError:
+                os.ftruncate(fd, held)  # another writer took the room first: keep what was
+                raise
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                log.warning("cannot allocate the removal reserve %s: %s", self.path,
+                            exc.strerror or exc)
+            return False
+        if self.released:
+            log.info("removal reserve whole again (%d MiB)", self.size >> 20)
+        self.short = self.released = False
+        return True
