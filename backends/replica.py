@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import mmap
 import os
 import threading
@@ -65,12 +66,15 @@ from tierfs.backends.meta import (
     num_chunks,
     pack_crcs,
     unpack_crc,
+    unpack_crcs,
     zero_chunk_crc,
 )
 from tierfs.fs.errors import OUT_OF_DESCRIPTORS, ChecksumError, FsError, VolumeError
 
 if TYPE_CHECKING:
     from tierfs.backends.volume import Volume
+
+log = logging.getLogger(__name__)
 
 _RECOVERY_SPAN = 4 << 20
 """Bytes read at a time by ``verified_length``: big enough to be fast, small enough for RAM."""
@@ -334,8 +338,12 @@ class Replica:
         if state.meta_ino != self._meta_ino or length % bpc + n >= bpc:
             return False
         crc = crc32c(data, state.tail_crc)
-        _pwrite_all(self._data_fd, data, length)
-        _pwrite_all(self._meta_fd, CRC_STRUCT.pack(crc), crc_offset(length // bpc))
+        try:
+            _pwrite_all(self._data_fd, data, length)
+            _pwrite_all(self._meta_fd, CRC_STRUCT.pack(crc), crc_offset(length // bpc))
+        except OSError:
+            self._settle_failed_write(state, length, [])
+            raise
         state.length = length + n
         state.tail_crc = crc
         state.charged += n
@@ -352,8 +360,9 @@ class Replica:
         if state.meta_ino != self._meta_ino:
             self._adopt_meta(state)
         length = state.length
+        grown = None
         if offset > length:
-            self._extend(state, offset)
+            grown = self._extend(state, offset)
             length = offset
         n = len(data)
         end = offset + n
@@ -377,6 +386,7 @@ class Replica:
                     old_chunk = self._verified_chunk(first, length)
                 crc = crc32c(old_chunk[end - first * bpc :], crc)
             packed = CRC_STRUCT.pack(crc)
+            crcs = [crc]
         else:
             last = (end - 1) // bpc
             crcs = chunk_crc_list(data, bpc, skip=skip, value=prefix_crc)
@@ -385,8 +395,15 @@ class Replica:
                 crcs[-1] = crc32c(old_chunk[end - last * bpc :], crcs[-1])
             crc = crcs[-1]
             packed = pack_crcs(crcs)
-        direct = self._write_data(data, offset)
-        meta_end = _pwrite_all(self._meta_fd, packed, crc_offset(first))
+        try:
+            direct = self._write_data(data, offset)
+            meta_end = _pwrite_all(self._meta_fd, packed, crc_offset(first))
+        except OSError:
+            if grown is None:
+                self._settle_failed_write(state, offset, crcs)
+            else:  # all the write touched lies past the old length
+                self._undo_extend(state, grown)
+            raise
         if end > length:
             state.length = end
             state.tail_crc = crc if end % bpc else None
@@ -458,29 +475,45 @@ class Replica:
             except OSError as e:
                 raise self._os_error("truncate", e) from e
 
-    def _extend(self, state: _BlockState, new_length: int) -> None:
-        """Grow the replica with zeros to ``new_length`` and write their CRCs."""
+    def _extend(self, state: _BlockState, new_length: int) -> tuple:
+        """Grow the replica with zeros to ``new_length`` and write their CRCs. Returns what
+        ``_undo_extend`` needs to take the growth back when the write it made room for
+        fails."""
         bpc = self.bytes_per_checksum
         old_length = state.length
         first, skip = divmod(old_length, bpc)
         crcs = []
         pos = old_length
+        old_tail = []
         if skip:
             fill = min(bpc - skip, new_length - old_length)
-            crcs.append(crc32c(bytes(fill), self._tail_crc(state)))
+            old_tail.append(self._tail_crc(state))
+            crcs.append(crc32c(bytes(fill), old_tail[0]))
             pos += fill
+        undo = (old_length, state.meta_size, state.charged, old_tail)
         full, rest = divmod(new_length - pos, bpc)
         packed = pack_crcs(crcs) if crcs else b""
         packed += pack_crcs([zero_chunk_crc(bpc)]) * full
         if rest:
             packed += pack_crcs([zero_chunk_crc(rest)])
         os.ftruncate(self._data_fd, new_length)
-        meta_end = _pwrite_all(self._meta_fd, packed, crc_offset(first))
+        try:
+            meta_end = _pwrite_all(self._meta_fd, packed, crc_offset(first))
+        except OSError:
+            self._undo_extend(state, undo)
+            raise
         if new_length % bpc == 0:
             state.tail_crc = None
         else:
             state.tail_crc = zero_chunk_crc(rest) if rest else crcs[-1]
         self._grow(state, new_length, meta_end)
+        return undo
+
+    def _undo_extend(self, state: _BlockState, undo: tuple) -> None:
+        """Back to the length before ``_extend``: both files cut, and the old partial
+        chunk's CRC, which the growth rewrote, put back."""
+        state.length, state.meta_size, state.charged, old_tail = undo
+        self._settle_failed_write(state, state.length, old_tail, rewrite=True)
 
     def _shrink(self, state: _BlockState, new_length: int) -> None:
         """Cut the replica to ``new_length`` bytes (meta file first, see ``truncate``)."""
@@ -579,6 +612,64 @@ class Replica:
         state.meta_ino = self._meta_ino
         state.meta_size = os.fstat(self._meta_fd).st_size
         state.tail_crc = None
+
+    def _settle_failed_write(self, state: _BlockState, offset: int, new_crcs: list[int], *,
+                             rewrite: bool = False) -> None:
+        """Make the two files agree again after a write from ``offset`` failed part-way.
+
+        On a full disk ``pwrite`` stores part of the data and then fails, above all in a
+        hole (a sparse replica, after a write past its end or a truncate up). What was
+        stored past the length is cut off, as is a meta file grown past ``state``, and the
+        chunks below the length that the write changed get CRCs of what they now hold, so
+        that every chunk still verifies; the caller reports the error. ``new_crcs`` are the
+        CRCs the write meant to give its chunks, from the one ``offset`` falls in.
+
+        The data is written in order, so from that chunk on: a chunk that holds its new
+        bytes takes its new CRC; the first one that holds neither its new nor its old bytes
+        is where the write stopped, and takes the CRC of what it holds (new bytes, then
+        bytes of the failed write's range that it did not reach, or bytes this call
+        verified); the chunks after it were not reached and keep their CRCs, so old damage
+        there is still reported, never blessed. ``rewrite``: ``new_crcs`` are to be
+        written as they are (a CRC the failed meta write may have overwritten)."""
+        bpc = self.bytes_per_checksum
+        length = state.length
+        try:
+            if os.fstat(self._data_fd).st_size > length:
+                os.ftruncate(self._data_fd, length)
+            if os.fstat(self._meta_fd).st_size > state.meta_size:
+                os.ftruncate(self._meta_fd, state.meta_size)
+            first = offset // bpc
+            count = min(len(new_crcs), num_chunks(length, bpc) - first)
+            if count <= 0:
+                return
+            settled = new_crcs[:count] if rewrite else self._crcs_after_failed_write(
+                first, count, new_crcs, length)
+            if settled:
+                _pwrite_all(self._meta_fd, pack_crcs(settled), crc_offset(first))
+                state.tail_crc = None  # unknown: read again when needed
+        except (OSError, FsError) as exc:
+            log.error("%s: chunks from %d may not verify after a failed write: %s",
+                      self._where(), offset // bpc, getattr(exc, "strerror", None) or exc)
+
+    def _crcs_after_failed_write(self, first: int, count: int, new_crcs: list[int],
+                                 length: int) -> list[int]:
+        """The CRCs to store from chunk ``first`` on (``_settle_failed_write``)."""
+        bpc = self.bytes_per_checksum
+        start = first * bpc
+        content = os.pread(self._data_fd, min(start + count * bpc, length) - start, start)
+        stored = unpack_crcs(os.pread(self._meta_fd, CRC_SIZE * count, crc_offset(first)))
+        if len(stored) != count:
+            raise self._damaged(f"meta file has no checksum for chunk {first + len(stored)}")
+        settled = []
+        for i in range(count):
+            actual = crc32c(content[i * bpc : (i + 1) * bpc])
+            if actual == new_crcs[i]:
+                settled.append(actual)
+                continue
+            if actual != stored[i]:
+                settled.append(actual)  # where the write stopped
+            break
+        return settled
 
     def _tail_crc(self, state: _BlockState) -> int:
         """Stored CRC of the partial last chunk, read once and then cached in ``state``."""

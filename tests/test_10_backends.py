@@ -10,6 +10,7 @@ contract any volume implementation (a fault-injecting one, say) must pass.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -18,6 +19,7 @@ import mmap
 import os
 import shutil
 import struct
+import subprocess
 import tempfile
 import threading
 from pathlib import Path
@@ -578,6 +580,60 @@ def test_enospc_from_the_os_is_enospc(volume):
     assert e.value.errno == errno.ENOSPC
     assert str(volume.path) in str(e.value)
     r.close()
+
+
+@pytest.mark.parametrize("bpc", [512, 4096, 65536])
+def test_a_write_cut_short_by_a_full_disk_leaves_every_chunk_verifiable(tmp_path, bpc):
+    """A write into a hole of a sparse replica (left by a write past its end or a truncate
+    up) needs new pages; on a full disk ``pwrite`` stores part of the data and then fails
+    with ENOSPC. The CRCs must then describe what the data file holds: before, they still
+    described the zeros, and every later read of those chunks failed with a checksum
+    error (fsstress on a full disk found it)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], check=True)
+    try:
+        volume = make_volume(disk / "v")
+        r = volume.create_replica(BLOCK, GS, bpc)
+        try:
+            r.write(0, b"a" * 1000)
+            r.write((2 << 20) - 10, b"z" * 10)   # a hole from 1000 to 2 MiB - 10
+            filler = disk / "filler"
+            with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * 4096)
+            os.truncate(filler, filler.stat().st_size - 64 * 1024)  # room for 16 pages
+            payload = os.urandom(1 << 20)
+            with pytest.raises(FsError) as caught:
+                r.write(3000, payload)
+            assert caught.value.errno == errno.ENOSPC
+            content = r.read(0, 2 << 20)        # verified: no ChecksumError
+            assert len(content) == 2 << 20
+            assert content[:1000] == b"a" * 1000 and content[-10:] == b"z" * 10
+            new = content[3000:3000 + len(payload)]
+            stored = next(i for i in range(len(new) + 1)
+                          if i == len(new) or new[i] != payload[i])
+            assert stored > 0 and not any(new[stored:])  # what was stored, then zeros
+
+            # An append cut short, and a write past the end whose CRCs find no room: the
+            # length stays, and nothing past it is left in either file.
+            for at in (2 << 20, 3 << 20):
+                os.truncate(filler, filler.stat().st_size - 64 * 1024)
+                with pytest.raises(FsError) as caught:
+                    r.write(at, payload)
+                assert caught.value.errno == errno.ENOSPC
+                assert volume.data_path(BLOCK).stat().st_size == 2 << 20
+                assert volume.meta_path(BLOCK, GS).stat().st_size == meta.meta_size(2 << 20, bpc)
+                assert r.read(0, 3 << 20) == content
+        finally:
+            r.close()
+        reader = volume.open_replica(BLOCK, GS, writable=False)
+        try:
+            assert reader.read(0, 3 << 20) == content
+        finally:
+            reader.close()
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
 
 
 # ---------------------------------------------------------------------- random writes against a model
