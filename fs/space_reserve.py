@@ -5,12 +5,12 @@ namespace, each mutation fails with ENOSPC, rm and truncate included: the one wa
 frees space through the mount stopped working exactly when it was needed. ext4 keeps
 blocks back for root for the same reason. tierfs keeps a fully allocated file of
 ``RESERVE_BYTES`` beside the namespace. A mutation that adds nothing to the namespace
-(which ones: ``Namespace._mutate``) and finds the disk full gives back ``RELEASE_STEP`` of
-it and tries again; the daemon's tick allocates the file again once the disk has room for
-all of it.
+(which ones: ``MAY_USE_RESERVE`` in fs/namespace.py) and finds the disk full gives back
+``RELEASE_STEP`` of it and tries again, as often as it needs; the daemon's tick allocates
+the file again once the disk has room for all of it.
 
 The file holds no data: it may be deleted at any time, and is made again by the next
-mount or tick.
+mount.
 """
 
 from __future__ import annotations
@@ -20,12 +20,15 @@ import logging
 import os
 from pathlib import Path
 
+from tierfs.fs.lograte import RepeatedWarnings
+
 log = logging.getLogger(__name__)
 
 RESERVE_NAME = "removal.reserve"
 RESERVE_BYTES = 8 << 20
 """A removal with its journal record needs a few pages; this is thousands of them."""
-RELEASE_STEP = 1 << 20
+RELEASE_STEP = 64 << 10
+"""Given back at a time: what the commit does not use, other writers to the disk may take."""
 
 
 class SpaceReserve:
@@ -36,6 +39,7 @@ class SpaceReserve:
         self.size = size
         self.short = True   # not known to be allocated in full until ``refill`` says so
         self.released = False   # some of it went to a removal since it was last whole
+        self.warnings = RepeatedWarnings(log)   # a long rm -r releases it many times
 
     def held(self) -> int:
         """Bytes the reserve holds now (0 when the file is missing)."""
@@ -52,8 +56,8 @@ class SpaceReserve:
         left = max(0, held - RELEASE_STEP)
         os.truncate(self.path, left)
         self.short = self.released = True
-        log.warning("namespace disk full: gave %d KiB of the removal reserve to a removal "
-                    "(%d KiB left)", (held - left) >> 10, left >> 10)
+        self.warnings.warning(f"namespace disk full: gave {(held - left) >> 10} KiB of the "
+                              f"removal reserve to a removal ({left >> 10} KiB left)")
         return True
 
     def refill(self) -> bool:

@@ -1030,7 +1030,7 @@ def test_removals_work_and_free_space_when_something_else_filled_the_disk(tmp_pa
             assert os.listxattr(mnt / "big2") == []
         finally:
             mount.stop()
-        assert "gave 1024 KiB of the removal reserve" in mount.log_text()
+        assert "gave 64 KiB of the removal reserve" in mount.log_text()
         assert "removal reserve whole again (8 MiB)" in mount.log_text()
         assert mount.errors_logged() == []
 
