@@ -400,7 +400,7 @@ class Replica:
             meta_end = _pwrite_all(self._meta_fd, packed, crc_offset(first))
         except OSError:
             if grown is None:
-                self._settle_failed_write(state, offset, crcs)
+                self._settle_failed_write(state, offset, crcs, prefix_crc=prefix_crc)
             else:  # all the write touched lies past the old length
                 self._undo_extend(state, grown)
             raise
@@ -614,7 +614,7 @@ class Replica:
         state.tail_crc = None
 
     def _settle_failed_write(self, state: _BlockState, offset: int, new_crcs: list[int], *,
-                             rewrite: bool = False) -> None:
+                             prefix_crc: int = 0, rewrite: bool = False) -> None:
         """Make the two files agree again after a write from ``offset`` failed part-way.
 
         On a full disk ``pwrite`` stores part of the data and then fails, above all in a
@@ -622,17 +622,20 @@ class Replica:
         stored past the length is cut off, as is a meta file grown past ``state``, and the
         chunks below the length that the write changed get CRCs of what they now hold, so
         that every chunk still verifies; the caller reports the error. ``new_crcs`` are the
-        CRCs the write meant to give its chunks, from the one ``offset`` falls in.
+        CRCs the write meant to give its chunks, from the one ``offset`` falls in, and
+        ``prefix_crc`` the CRC of that chunk's bytes before ``offset``.
 
         The data is written in order, so from that chunk on: a chunk that holds its new
         bytes takes its new CRC; the first one that holds neither its new nor its old bytes
         is where the write stopped, and takes the CRC of what it holds (new bytes, then
         bytes of the failed write's range that it did not reach, or bytes this call
-        verified); the chunks after it were not reached and keep their CRCs, so old damage
-        there is still reported, never blessed. ``rewrite``: ``new_crcs`` are to be
-        written as they are (a CRC the failed meta write may have overwritten)."""
+        verified, or bytes before ``offset`` that match ``prefix_crc``); the chunks after
+        it were not reached and keep their CRCs, so old damage there is still reported,
+        never blessed. ``rewrite``: ``new_crcs`` are to be written as they are (a CRC the
+        failed meta write may have overwritten)."""
         bpc = self.bytes_per_checksum
         length = state.length
+        state.tail_crc = None  # unknown: read again when needed (the length may be older)
         try:
             if os.fstat(self._data_fd).st_size > length:
                 os.ftruncate(self._data_fd, length)
@@ -643,18 +646,18 @@ class Replica:
             if count <= 0:
                 return
             settled = new_crcs[:count] if rewrite else self._crcs_after_failed_write(
-                first, count, new_crcs, length)
+                offset, count, new_crcs, prefix_crc, length)
             if settled:
                 _pwrite_all(self._meta_fd, pack_crcs(settled), crc_offset(first))
-                state.tail_crc = None  # unknown: read again when needed
         except (OSError, FsError) as exc:
             log.error("%s: chunks from %d may not verify after a failed write: %s",
                       self._where(), offset // bpc, getattr(exc, "strerror", None) or exc)
 
-    def _crcs_after_failed_write(self, first: int, count: int, new_crcs: list[int],
-                                 length: int) -> list[int]:
-        """The CRCs to store from chunk ``first`` on (``_settle_failed_write``)."""
+    def _crcs_after_failed_write(self, offset: int, count: int, new_crcs: list[int],
+                                 prefix_crc: int, length: int) -> list[int]:
+        """The CRCs to store from the chunk of ``offset`` on (``_settle_failed_write``)."""
         bpc = self.bytes_per_checksum
+        first, skip = divmod(offset, bpc)
         start = first * bpc
         content = os.pread(self._data_fd, min(start + count * bpc, length) - start, start)
         stored = unpack_crcs(os.pread(self._meta_fd, CRC_SIZE * count, crc_offset(first)))
@@ -666,9 +669,9 @@ class Replica:
             if actual == new_crcs[i]:
                 settled.append(actual)
                 continue
-            if actual != stored[i]:
+            if actual != stored[i] and (i or crc32c(content[:skip]) == prefix_crc):
                 settled.append(actual)  # where the write stopped
-            break
+            break  # else not reached, or its old bytes before ``offset`` are damaged
         return settled
 
     def _tail_crc(self, state: _BlockState) -> int:

@@ -582,6 +582,28 @@ def test_enospc_from_the_os_is_enospc(volume):
     r.close()
 
 
+@contextlib.contextmanager
+def small_disk(tmp_path, size: str = "4m"):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)],
+                   check=True)
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def fill_leaving(disk: Path, room: int) -> Path:
+    """Fill ``disk`` to its last page, then give ``room`` bytes back."""
+    filler = disk / "filler"
+    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"\0" * 4096)
+    os.truncate(filler, filler.stat().st_size - room)
+    return filler
+
+
 @pytest.mark.parametrize("bpc", [512, 4096, 65536])
 def test_a_write_cut_short_by_a_full_disk_leaves_every_chunk_verifiable(tmp_path, bpc):
     """A write into a hole of a sparse replica (left by a write past its end or a truncate
@@ -589,20 +611,13 @@ def test_a_write_cut_short_by_a_full_disk_leaves_every_chunk_verifiable(tmp_path
     with ENOSPC. The CRCs must then describe what the data file holds: before, they still
     described the zeros, and every later read of those chunks failed with a checksum
     error (fsstress on a full disk found it)."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], check=True)
-    try:
+    with small_disk(tmp_path) as disk:
         volume = make_volume(disk / "v")
         r = volume.create_replica(BLOCK, GS, bpc)
         try:
             r.write(0, b"a" * 1000)
             r.write((2 << 20) - 10, b"z" * 10)   # a hole from 1000 to 2 MiB - 10
-            filler = disk / "filler"
-            with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
-                while True:
-                    f.write(b"\0" * 4096)
-            os.truncate(filler, filler.stat().st_size - 64 * 1024)  # room for 16 pages
+            filler = fill_leaving(disk, 64 * 1024)
             payload = os.urandom(1 << 20)
             with pytest.raises(FsError) as caught:
                 r.write(3000, payload)
@@ -632,8 +647,44 @@ def test_a_write_cut_short_by_a_full_disk_leaves_every_chunk_verifiable(tmp_path
             assert reader.read(0, 3 << 20) == content
         finally:
             reader.close()
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.parametrize("bpc", [512, 4096])
+def test_after_a_failed_write_the_next_append_and_old_damage_are_right(tmp_path, bpc):
+    """A growth taken back after its write failed leaves no cached CRC of the zeros for
+    the next small append to continue from; and bytes before a failed append that were
+    already damaged are still reported, not given a fresh CRC (their chunk is where the
+    write stopped, but they are not the write's)."""
+    with small_disk(tmp_path) as disk:
+        volume = make_volume(disk / "v")
+        r = volume.create_replica(BLOCK, GS, bpc)
+        try:
+            r.write(0, b"a" * 1024)
+            filler = fill_leaving(disk, 64 * 1024)
+            with pytest.raises(FsError):
+                r.write((3 << 20) + 100, os.urandom(1 << 20))
+            r.write(1024, b"b" * 10)
+            assert r.read(0, 2048) == b"a" * 1024 + b"b" * 10
+        finally:
+            r.close()
+        filler.unlink()
+
+        volume.delete_replica(BLOCK, GS)
+        r = volume.create_replica(BLOCK, GS, bpc)
+        try:
+            r.write(0, b"a" * 100)
+            with open(volume.data_path(BLOCK), "r+b") as f:
+                f.seek(10)
+                f.write(b"X")
+            with pytest.raises(ChecksumError):
+                r.read(0, 100)
+            fill_leaving(disk, 64 * 1024)
+            with pytest.raises(FsError):
+                r.write(100, os.urandom(1 << 20))
+            with pytest.raises(ChecksumError):
+                r.read(0, 100)
+        finally:
+            r.close()
 
 
 # ---------------------------------------------------------------------- random writes against a model
