@@ -54,12 +54,13 @@ class MountLock:
 
     @staticmethod
     def _name_holder(fd: int, mountpoint: Path) -> None:
-        """Written over what the file holds, then cut to length: the file keeps the disk
-        space it has, so a mount on a disk that something else filled (to free space
-        through it) does not fail for want of a page here."""
+        """Cut to one byte, not to none, and written over: the file keeps the disk space
+        it has, so a mount on a disk that something else filled (to free space through
+        it) does not fail for want of a page here. Cut first, so that ``holder`` never
+        reads the new pid with the end of a longer old mount point."""
         holder = f"{os.getpid()}\n".encode() + os.fsencode(mountpoint) + b"\n"
+        os.ftruncate(fd, 1)
         os.pwrite(fd, holder, 0)
-        os.ftruncate(fd, len(holder))
 
     def release(self) -> None:
         """The name is cleared down to one byte, not to none, so that the file keeps its

@@ -39,14 +39,17 @@ MAX_MAP_SIZE = 1 << 40
 # disk: LMDB writes a commit's dirty pages (a few to a few hundred KiB) in one go.
 NEARLY_FULL_BYTES = 16 << 20
 MAX_READERS = 256
-# Mutations that add nothing lasting to the namespace but their journal record: removals,
-# renames, truncates, attribute changes, the bookkeeping of sizes, leases, dropped
-# replicas and the mount state. On a full disk they may use the removal reserve
-# (fs/space_reserve.py), so that the user can free space. Those that add names, inodes,
-# attributes, blocks or replicas may not: they are what fills a disk.
-MAY_USE_RESERVE = frozenset({
-    Op.UNLINK, Op.RENAME, Op.SETATTR, Op.REMOVEXATTR, Op.UPDATE_BLOCKS, Op.TRUNCATE,
-    Op.PURGE, Op.LEASE, Op.TRASH_DONE, Op.MOUNT, Op.RECOVER})
+# On a full disk (fs/space_reserve.py), removals may use all of the removal reserve: they
+# are how a user frees space. Mutations that add nothing lasting but their journal record
+# (attribute changes, the sizes and leases of open files, recovery) may use its first half
+# only, so that a chmod loop or a file kept open cannot use up what rm needs. Mutations
+# that add names, inodes, attributes, blocks or replicas may not use it: they fill disks.
+RESERVE_FOR_REMOVALS = frozenset({
+    Op.UNLINK, Op.RENAME, Op.REMOVEXATTR, Op.TRUNCATE, Op.PURGE, Op.TRASH_DONE, Op.MOUNT})
+RESERVE_HALF_FOR = frozenset({Op.SETATTR, Op.UPDATE_BLOCKS, Op.LEASE, Op.RECOVER})
+# A commit is retried on the reserve only while the disk is this close to full: a failed
+# commit with more room left is not short of space, and must not use the reserve up.
+RESERVE_RETRY_FREE = 1 << 20
 # The size LMDB gives its lock file: a 192-byte header holding the first reader slot, and
 # 64 bytes for each other (measured with py-lmdb's LMDB: 1 reader 192, 256 readers 16,512).
 LOCK_FILE_BYTES = (MAX_READERS - 1) * 64 + 192
@@ -253,13 +256,14 @@ class Namespace:
         """
         while True:
             txn = self.env.begin(write=True)
+            committing = False
             try:
                 txid = self._take(txn, "txid") + 1
                 w = _Write(txn, txid, args)
                 result = body(w)
                 txn.put(u64(txid), schema.journal_record(op, w.args), db=self.db["journal"])
+                committing = True
                 txn.commit()
-                self.commits += 1
             except lmdb.MapFullError:
                 txn.abort()
                 self._grow_map()
@@ -267,23 +271,35 @@ class Namespace:
             except lmdb.Error as exc:
                 txn.abort()
                 failure = lmdb_failure(self.path, exc)
-                if failure.errno == errno.ENOSPC and self._release_reserve_for(op):
+                if (committing and failure.errno == errno.ENOSPC
+                        and self._release_reserve_for(op, args)):
                     continue
                 raise failure from None
             except BaseException:
                 txn.abort()
                 raise
+            self.commits += 1
             self.last_trash = w.trash
             self.last_inherited_changed = w.inherited_changed
             return result
 
-    def _release_reserve_for(self, op: int) -> bool:
-        """Give part of the removal reserve back to the full disk when ``op`` may use it;
-        True when the mutation should be tried again."""
-        if op not in MAY_USE_RESERVE or self.space_reserve is None:
+    def _release_reserve_for(self, op: int, args: tuple) -> bool:
+        """Give part of the removal reserve back to the full disk when ``op`` may use it
+        (``RESERVE_FOR_REMOVALS``); True when the mutation should be tried again. Only a
+        commit that failed for want of room comes here (LMDB writes nothing to disk before
+        the commit; the body's own errors are not retried), and a disk with room left means
+        some other failure."""
+        reserve = self.space_reserve
+        if reserve is None or _disk_free(self.path) >= RESERVE_RETRY_FREE:
+            return False
+        if op in RESERVE_FOR_REMOVALS and not (op == Op.RENAME and args[4] & RENAME_WHITEOUT):
+            keep = 0  # (a whiteout rename makes a node)
+        elif op in RESERVE_HALF_FOR:
+            keep = reserve.size // 2
+        else:
             return False
         try:
-            return self.space_reserve.release_some()
+            return reserve.release_some(keep)
         except OSError as exc:
             log.warning("cannot release the removal reserve: %s", exc.strerror or exc)
             return False
@@ -1199,11 +1215,16 @@ def lmdb_failure(path: Path, exc: lmdb.Error) -> FsError:
 
 
 def _disk_nearly_full(path: Path) -> bool:
+    return _disk_free(path) < NEARLY_FULL_BYTES
+
+
+def _disk_free(path: Path) -> int:
+    """Bytes free on the disk of ``path``; as if plenty when it cannot be told."""
     try:
         st = os.statvfs(path)
     except OSError:
-        return False
-    return st.f_bavail * st.f_frsize < NEARLY_FULL_BYTES
+        return MAX_MAP_SIZE
+    return st.f_bavail * st.f_frsize
 
 
 def _allocate_lock_file(path: Path) -> None:

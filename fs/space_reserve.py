@@ -5,9 +5,10 @@ namespace, each mutation fails with ENOSPC, rm and truncate included: the one wa
 frees space through the mount stopped working exactly when it was needed. ext4 keeps
 blocks back for root for the same reason. tierfs keeps a fully allocated file of
 ``RESERVE_BYTES`` beside the namespace. A mutation that adds nothing to the namespace
-(which ones: ``MAY_USE_RESERVE`` in fs/namespace.py) and finds the disk full gives back
-``RELEASE_STEP`` of it and tries again, as often as it needs; the daemon's tick allocates
-the file again once the disk has room for all of it.
+(which ones, and how much of it they may use: ``RESERVE_FOR_REMOVALS`` in
+fs/namespace.py) and finds the disk full gives back ``RELEASE_STEP`` of it and tries
+again, as often as it needs; the daemon's tick allocates the file again once the disk has
+room for all of it.
 
 The file holds no data: it may be deleted at any time, and is made again by the next
 mount.
@@ -48,12 +49,13 @@ class SpaceReserve:
         except FileNotFoundError:
             return 0
 
-    def release_some(self) -> bool:
-        """Give ``RELEASE_STEP`` back to the disk; False when nothing was left to give."""
+    def release_some(self, keep: int = 0) -> bool:
+        """Give ``RELEASE_STEP`` back to the disk, holding on to ``keep`` bytes; False when
+        there was nothing above ``keep`` to give."""
         held = self.held()
-        if held == 0:
+        if held <= keep:
             return False
-        left = max(0, held - RELEASE_STEP)
+        left = max(keep, held - RELEASE_STEP)
         os.truncate(self.path, left)
         self.short = self.released = True
         self.warnings.warning(f"namespace disk full: gave {(held - left) >> 10} KiB of the "

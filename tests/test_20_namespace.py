@@ -16,6 +16,7 @@ import uuid
 from contextlib import contextmanager
 from typing import NamedTuple
 
+import lmdb
 import pytest
 
 from tierfs.backends.storage_types import StorageType
@@ -1102,8 +1103,10 @@ def test_everything_survives_reopen(tmp_path):
 
 def test_on_a_full_disk_only_removals_use_the_reserve(tmp_path):
     """Creates fill the namespace's disk until ENOSPC without touching the removal reserve
-    (fs/space_reserve.py); unlinks of everything they made still commit, taking from it;
-    it is made whole again only once the disk has room for all of it."""
+    (fs/space_reserve.py), and so do renames that leave a whiteout (they make a node) and
+    failures that are not for want of room. Attribute changes may use half of it, however
+    long they go on; removals of everything made still commit, taking from the rest. It is
+    made whole again only once the disk has room for all of it."""
     disk = tmp_path / "disk"
     disk.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], check=True)
@@ -1113,20 +1116,41 @@ def test_on_a_full_disk_only_removals_use_the_reserve(tmp_path):
         filler.write_bytes(b"\0" * (1 << 20))
         namespace = Namespace.open(disk / "d" / NAMESPACE_DIR)
         reserve = namespace.space_reserve = SpaceReserve(namespace.path, size=1 << 20)
-        try:
-            assert reserve.refill() and reserve.held() == 1 << 20
-            made = []
+
+        def until_enospc(step) -> int:
+            done = 0
             with pytest.raises(FsError) as caught:
                 while True:
-                    made.append(mkfile(namespace, ROOT_INO, b"f%d" % len(made)))
-                    namespace.set_xattr(made[-1], b"user.pad", b"x" * 2000, NOW)
-            assert caught.value.errno == errno.ENOSPC and len(made) > 100
+                    step(done)
+                    done += 1
+            assert caught.value.errno == errno.ENOSPC, caught.value
+            return done
+
+        def make(i: int) -> None:
+            ino = mkfile(namespace, ROOT_INO, b"f%d" % i)
+            namespace.set_xattr(ino, b"user.pad", b"x" * 2000, NOW)
+
+        def corrupt(w) -> None:
+            raise lmdb.CorruptedError("injected")
+
+        try:
+            assert reserve.refill() and reserve.held() == 1 << 20
+            made = until_enospc(make)
+            assert made > 100 and reserve.held() == 1 << 20
+            until_enospc(lambda i: namespace.rename(
+                ROOT_INO, b"f%d" % i, ROOT_INO, b"w%d" % i, RENAME_WHITEOUT, NOW,
+                busy=never_busy, whiteout_owner=(0, 0)))
             assert reserve.held() == 1 << 20
-            for i in range(len(made)):
-                namespace.unlink(ROOT_INO, b"f%d" % i, NOW, directory=False,
-                                 busy=lambda ino: False)
-            assert namespace.readdir(ROOT_INO, 0, 10) == []
-            assert reserve.held() < 1 << 20
+            with pytest.raises(FsError):
+                namespace.run(Op.RECOVER, (), corrupt)
+            assert reserve.held() == 1 << 20
+            until_enospc(lambda i: namespace.setattr(ROOT_INO, mode=stat.S_IFDIR | i % 0o777,
+                                                     ctime_ns=NOW))
+            assert reserve.held() == 1 << 19
+            while rows := namespace.readdir(ROOT_INO, 0, 100):
+                for row in rows:
+                    namespace.unlink(ROOT_INO, row[1], NOW, directory=False, busy=never_busy)
+            assert reserve.held() < 1 << 19
             assert not reserve.refill()   # the disk is still full: nothing taken back
             filler.unlink()
             assert reserve.refill() and reserve.held() == 1 << 20
