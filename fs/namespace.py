@@ -286,14 +286,14 @@ class Namespace:
     def _release_reserve_for(self, op: int, args: tuple) -> bool:
         """Give part of the removal reserve back to the full disk when ``op`` may use it
         (``RESERVE_FOR_REMOVALS``); True when the mutation should be tried again. Only a
-        commit that failed for want of room comes here (LMDB writes nothing to disk before
-        the commit; the body's own errors are not retried), and a disk with room left means
-        some other failure."""
+        failed commit comes here (errors of the body itself are not retried), and a disk
+        with room left means some failure other than a want of room."""
         reserve = self.space_reserve
         if reserve is None or _disk_free(self.path) >= RESERVE_RETRY_FREE:
             return False
-        if op in RESERVE_FOR_REMOVALS and not (op == Op.RENAME and args[4] & RENAME_WHITEOUT):
-            keep = 0  # (a whiteout rename makes a node)
+        makes_whiteout = op == Op.RENAME and args[4] & RENAME_WHITEOUT
+        if op in RESERVE_FOR_REMOVALS and not makes_whiteout:
+            keep = 0
         elif op in RESERVE_HALF_FOR:
             keep = reserve.size // 2
         else:
