@@ -386,7 +386,6 @@ class Replica:
                     old_chunk = self._verified_chunk(first, length)
                 crc = crc32c(old_chunk[end - first * bpc :], crc)
             packed = CRC_STRUCT.pack(crc)
-            crcs = [crc]
         else:
             last = (end - 1) // bpc
             crcs = chunk_crc_list(data, bpc, skip=skip, value=prefix_crc)
@@ -400,7 +399,8 @@ class Replica:
             meta_end = _pwrite_all(self._meta_fd, packed, crc_offset(first))
         except OSError:
             if grown is None:
-                self._settle_failed_write(state, offset, crcs, prefix_crc=prefix_crc)
+                self._settle_failed_write(state, offset, crcs if last > first else [crc],
+                                          prefix_crc=prefix_crc)
             else:  # all the write touched lies past the old length
                 self._undo_extend(state, grown)
             raise

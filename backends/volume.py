@@ -413,10 +413,9 @@ class Volume:
 
     def _disk_free(self) -> int:
         try:
-            st = os.statvfs(self.path)
+            return disk_free(self.path)
         except OSError as e:
             raise VolumeError(f"volume {self.path} ({self.storage_type.name}) is unreadable: {e.strerror or e}") from e
-        return st.f_bavail * st.f_frsize
 
     def _scan_used(self) -> int:
         total = 0
@@ -508,6 +507,13 @@ def _prepare_empty_dir(path: Path) -> bool:
         return False
     path.mkdir(parents=True)
     return True
+
+
+def disk_free(path) -> int:
+    """Bytes an unprivileged writer may still use on the disk of ``path`` (OSError when it
+    cannot be told)."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
 
 
 def identity_fs_uuid(path: Path) -> str | None:

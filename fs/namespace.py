@@ -25,6 +25,7 @@ from typing import Callable, Iterable, Iterator
 
 import lmdb
 
+from tierfs.backends.volume import disk_free
 from tierfs.fs import inherited, schema
 from tierfs.fs.errors import FsError
 from tierfs.fs.schema import BlockRecord, Inherited, Inode, Op, ROOT_INO, SatisfyReason, u64
@@ -1221,10 +1222,9 @@ def _disk_nearly_full(path: Path) -> bool:
 def _disk_free(path: Path) -> int:
     """Bytes free on the disk of ``path``; as if plenty when it cannot be told."""
     try:
-        st = os.statvfs(path)
+        return disk_free(path)
     except OSError:
         return MAX_MAP_SIZE
-    return st.f_bavail * st.f_frsize
 
 
 def _allocate_lock_file(path: Path) -> None:

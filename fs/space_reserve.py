@@ -21,6 +21,7 @@ import logging
 import os
 from pathlib import Path
 
+from tierfs.backends.volume import disk_free
 from tierfs.fs.lograte import RepeatedWarnings
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,7 @@ class SpaceReserve:
             return True
         held = self.held()
         try:
-            st = os.statvfs(self.path.parent)
-            if st.f_bavail * st.f_frsize < self.size - held:
+            if disk_free(self.path.parent) < self.size - held:
                 return False
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             try:
