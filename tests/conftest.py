@@ -8,6 +8,7 @@ end with ``tierfs fsck`` reporting nothing.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import resource
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -232,3 +234,31 @@ def require_tool(name: str) -> str:
     path = shutil.which(name)
     assert path, f"{name} is not installed: run the README's test command, which installs it"
     return path
+
+
+@contextlib.contextmanager
+def small_disk(tmp_path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (``mount -o size=``) at ``tmp_path/disk``: a real disk that
+    fills, unmounted afterwards."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)],
+                   check=True)
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def fill_disk(disk: Path, room: int = 0, name: str = "filler") -> Path:
+    """Fill ``disk`` from outside tierfs, as another program would, to its last page, then
+    give ``room`` bytes back; returns the file that fills it."""
+    filler = disk / name
+    with open(filler, "wb", buffering=0) as f:
+        for chunk in (1 << 20, 4096):
+            with contextlib.suppress(OSError):
+                while True:
+                    f.write(b"\0" * chunk)
+    if room:
+        os.truncate(filler, filler.stat().st_size - room)
+    return filler

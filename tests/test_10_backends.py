@@ -10,7 +10,6 @@ contract any volume implementation (a fault-injecting one, say) must pass.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import fcntl
@@ -19,7 +18,6 @@ import mmap
 import os
 import shutil
 import struct
-import subprocess
 import tempfile
 import threading
 from pathlib import Path
@@ -36,7 +34,7 @@ from tierfs.backends.replica import DIRECT_WRITE_BYTES, Replica
 from tierfs.backends.storage_types import StorageType
 from tierfs.backends.volume import IDENTITY_FILE, ReplicaInfo, Volume
 from tierfs.fs.errors import ChecksumError, FsError, VolumeError
-from tests.conftest import evict
+from tests.conftest import evict, fill_disk, small_disk
 
 FS_UUID = "6f1c9a57-0000-4000-8000-000000000001"
 BLOCK = 1 << 30  # first block id after HDFS's reserved range
@@ -582,28 +580,6 @@ def test_enospc_from_the_os_is_enospc(volume):
     r.close()
 
 
-@contextlib.contextmanager
-def small_disk(tmp_path, size: str = "4m"):
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)],
-                   check=True)
-    try:
-        yield disk
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
-
-
-def fill_leaving(disk: Path, room: int) -> Path:
-    """Fill ``disk`` to its last page, then give ``room`` bytes back."""
-    filler = disk / "filler"
-    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
-        while True:
-            f.write(b"\0" * 4096)
-    os.truncate(filler, filler.stat().st_size - room)
-    return filler
-
-
 @pytest.mark.parametrize("bpc", [512, 4096, 65536])
 def test_a_write_cut_short_by_a_full_disk_leaves_every_chunk_verifiable(tmp_path, bpc):
     """A write into a hole of a sparse replica (left by a write past its end or a truncate
@@ -611,13 +587,13 @@ def test_a_write_cut_short_by_a_full_disk_leaves_every_chunk_verifiable(tmp_path
     with ENOSPC. The CRCs must then describe what the data file holds: before, they still
     described the zeros, and every later read of those chunks failed with a checksum
     error (fsstress on a full disk found it)."""
-    with small_disk(tmp_path) as disk:
+    with small_disk(tmp_path, "4m") as disk:
         volume = make_volume(disk / "v")
         r = volume.create_replica(BLOCK, GS, bpc)
         try:
             r.write(0, b"a" * 1000)
             r.write((2 << 20) - 10, b"z" * 10)   # a hole from 1000 to 2 MiB - 10
-            filler = fill_leaving(disk, 64 * 1024)
+            filler = fill_disk(disk, room=64 * 1024)
             payload = os.urandom(1 << 20)
             with pytest.raises(FsError) as caught:
                 r.write(3000, payload)
@@ -655,12 +631,12 @@ def test_after_a_failed_write_the_next_append_and_old_damage_are_right(tmp_path,
     the next small append to continue from; and bytes before a failed append that were
     already damaged are still reported, not given a fresh CRC (their chunk is where the
     write stopped, but they are not the write's)."""
-    with small_disk(tmp_path) as disk:
+    with small_disk(tmp_path, "4m") as disk:
         volume = make_volume(disk / "v")
         r = volume.create_replica(BLOCK, GS, bpc)
         try:
             r.write(0, b"a" * 1024)
-            filler = fill_leaving(disk, 64 * 1024)
+            filler = fill_disk(disk, room=64 * 1024)
             with pytest.raises(FsError):
                 r.write((3 << 20) + 100, os.urandom(1 << 20))
             r.write(1024, b"b" * 10)
@@ -678,7 +654,7 @@ def test_after_a_failed_write_the_next_append_and_old_damage_are_right(tmp_path,
                 f.write(b"X")
             with pytest.raises(ChecksumError):
                 r.read(0, 100)
-            fill_leaving(disk, 64 * 1024)
+            fill_disk(disk, room=64 * 1024)
             with pytest.raises(FsError):
                 r.write(100, os.urandom(1 << 20))
             with pytest.raises(ChecksumError):

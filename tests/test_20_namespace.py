@@ -33,6 +33,7 @@ from tierfs.fs.namespace import (
 from tierfs.fs.schema import ROOT_INO, BlockRecord, Inherited, Inode, Op
 from tierfs.fs.space_reserve import SpaceReserve
 from tierfs.tools.mkfs import NAMESPACE_DIR, VolumeSpec, make_filesystem
+from tests.conftest import small_disk
 
 DIR = stat.S_IFDIR | 0o755
 REG = stat.S_IFREG | 0o644
@@ -1107,10 +1108,7 @@ def test_on_a_full_disk_only_removals_use_the_reserve(tmp_path):
     failures that are not for want of room. Attribute changes may use half of it, however
     long they go on; removals of everything made still commit, taking from the rest. It is
     made whole again only once the disk has room for all of it."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], check=True)
-    try:
+    with small_disk(tmp_path, "4m") as disk:
         make_filesystem(disk / "d", volumes=[VolumeSpec(StorageType.DISK, tmp_path / "v")])
         filler = disk / "filler"
         filler.write_bytes(b"\0" * (1 << 20))
@@ -1156,8 +1154,6 @@ def test_on_a_full_disk_only_removals_use_the_reserve(tmp_path):
             assert reserve.refill() and reserve.held() == 1 << 20
         finally:
             namespace.close()
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
 
 
 def test_a_full_namespace_disk_gives_enospc_not_eio(tmp_path):

@@ -23,7 +23,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import (MOUNT_TIERFS, TIERFS, Mount, assert_fsck_clean, assert_remount_is_clean,
-                            is_mounted, lock_is_free, log_since, log_size, run_tool)
+                            fill_disk, is_mounted, lock_is_free, log_since, log_size,
+                            run_tool, small_disk)
 
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 
@@ -961,18 +962,6 @@ def test_a_full_volume_fails_the_write_itself_not_only_the_close(tmp_path, make_
     assert (mnt / "mapped").read_bytes()[:5] == b"share"
 
 
-def _fill(disk: Path, name: str = "filler") -> Path:
-    """Fill ``disk`` from outside tierfs, as another program would, to its last byte."""
-    filler = disk / name
-    with open(filler, "wb", buffering=0) as f:
-        for chunk in (1 << 20, 4096):
-            with contextlib.suppress(OSError):
-                while True:
-                    f.write(b"\0" * chunk)
-    assert os.statvfs(disk).f_bavail == 0
-    return filler
-
-
 def _wait_for(condition, what: str, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -987,10 +976,7 @@ def test_removals_work_and_free_space_when_something_else_filled_the_disk(tmp_pa
     used to fail with ENOSPC too: the mount could not be cleared at all. The namespace
     keeps a removal reserve for them, made again once the disk has room. A mount on such
     a disk starts (it failed writing its lock file) and says when its reserve is short."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m", "tmpfs", str(disk)], check=True)
-    try:
+    with small_disk(tmp_path, "96m") as disk:
         data = disk / "data"
         run_tool("mkfs", str(data), "--block-size", "1M")
         mount = Mount(data, tmp_path / "mnt")
@@ -1008,7 +994,8 @@ def test_removals_work_and_free_space_when_something_else_filled_the_disk(tmp_pa
                 (mnt / "d" / f"f{i}").write_bytes(b"%d" % i)
             (mnt / "keep").write_bytes(b"kept")
             os.setxattr(mnt / "keep", "user.note", b"x" * 2000)
-            filler = _fill(disk)
+            filler = fill_disk(disk)
+            assert os.statvfs(disk).f_bavail == 0
 
             r = run(["dd", "if=/dev/zero", f"of={mnt}/big1", "bs=1M", "count=1",
                      "oflag=append", "conv=notrunc"])
@@ -1039,7 +1026,8 @@ def test_removals_work_and_free_space_when_something_else_filled_the_disk(tmp_pa
         # from the reserve), says the reserve is short, removals work, and the reserve is
         # made whole once there is room.
         os.truncate(reserve, 4 << 20)
-        more = _fill(disk, "more")
+        more = fill_disk(disk, name="more")
+        assert os.statvfs(disk).f_bavail == 0
         offset = log_size(mount)
         mount.start()
         try:
@@ -1052,8 +1040,6 @@ def test_removals_work_and_free_space_when_something_else_filled_the_disk(tmp_pa
             mount.stop()
         filler.unlink()
         assert_remount_is_clean(data, mnt, {"big1": payload[:4096], "after": payload})
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
 
 
 def _snapshot(tree: Path) -> dict[str, tuple[int, int, bytes]]:
