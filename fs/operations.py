@@ -134,6 +134,9 @@ class Operations(pyfuse3.Operations):
         # ReplicationMonitor.replication_may_change, set by the mount: the replication
         # wanted at or below an inode may have changed.
         self.on_replication_change: Callable[[int], None] = lambda ino: None
+        # Files open for writing whose attributes told the kernel 1 block where they had
+        # none here (``_attributes``); their true count is due once the last writer goes.
+        self.placeholder_blocks: set[int] = set()
 
     # --- helpers ---------------------------------------------------------------------------
 
@@ -164,8 +167,16 @@ class Operations(pyfuse3.Operations):
         e.st_rdev = rdev
         e.st_size = size
         e.st_blksize = IO_BLKSIZE
-        if size and stat.S_ISREG(mode):
-            e.st_blocks = self._allocated(ino, of) // 512
+        if stat.S_ISREG(mode):
+            if size:
+                e.st_blocks = self._allocated(ino, of) // 512
+            if not e.st_blocks and of is not None and of.writers:
+                # With writeback caching the kernel may hold written pages this daemon has
+                # not seen yet. A file of any size with 0 blocks is all holes to some tools
+                # (GNU tar --sparse archives none of its bytes), so it is 1 block until its
+                # last writer goes.
+                e.st_blocks = 1
+                self.placeholder_blocks.add(ino)
         e.st_atime_ns = atime
         e.st_mtime_ns = mtime
         e.st_ctime_ns = ctime
@@ -418,8 +429,8 @@ class Operations(pyfuse3.Operations):
     @handler
     async def open(self, inode, flags, ctx):
         fi = self._open(inode, flags)
+        handle = self.handles[fi.fh]
         if flags & os.O_TRUNC:  # Linux truncates even for O_RDONLY (permission checked)
-            handle = self.handles[fi.fh]
             try:
                 await self._truncate_at_open(handle.of, ctx)
             except BaseException:  # the kernel sends no release for a failed open
@@ -427,6 +438,10 @@ class Operations(pyfuse3.Operations):
                 self.blockio.release(handle.of, writer=handle.writer)
                 raise
             fi.keep_cache = False
+        if handle.writer and not handle.of.blocks and self.nursery is not None:
+            # The kernel may have cached 0 blocks before this open; from now on the file
+            # reports at least 1 (``_attributes``), so it must ask again.
+            _invalidate_inode(inode, attr_only=True)
         return fi
 
     async def _truncate_at_open(self, of: OpenFile, ctx) -> None:
@@ -486,8 +501,15 @@ class Operations(pyfuse3.Operations):
     @handler
     async def release(self, fh):
         handle = self.handles.pop(fh)
-        self.blockio.release(handle.of, writer=handle.writer)
-        self._maybe_purge(handle.of.ino)
+        of = handle.of
+        try:
+            self.blockio.release(of, writer=handle.writer)
+        finally:
+            if not of.writers and of.ino in self.placeholder_blocks:
+                self.placeholder_blocks.discard(of.ino)  # the kernel may have cached it
+                if self.nursery is not None:
+                    _invalidate_inode(of.ino, attr_only=True)
+        self._maybe_purge(of.ino)
 
     def writers_open(self) -> int:
         """Open handles that may write (a signal's unmount waits for them)."""

@@ -923,6 +923,25 @@ def test_holes_read_as_zeros(fs):
     fs.release(fh)
 
 
+def test_a_file_open_for_writing_with_nothing_stored_reports_one_block(fs):
+    """The kernel may hold pages written to it that this daemon has not seen; 0 blocks
+    would tell tools such as tar --sparse that a non-empty file is all holes."""
+    fh, f = fs.create(b"f")
+    assert fs.getattr(f).st_blocks == 1
+    fs.release(fh)
+    assert fs.getattr(f).st_blocks == 0
+    reader = fs.open(f, os.O_RDONLY)
+    assert fs.getattr(f).st_blocks == 0, "a reader holds no unseen pages"
+    writer = fs.open(f, os.O_WRONLY)
+    fs.truncate(f, 10 * BS)  # a hole: still nothing stored
+    assert fs.getattr(f).st_blocks == 1
+    fs.write(writer, 0, b"x" * 5000)
+    assert fs.getattr(f).st_blocks * 512 == 8192, "what is stored counts, as ever"
+    fs.release(writer)
+    fs.release(reader)
+    assert fs.getattr(f).st_blocks * 512 == 8192
+
+
 def test_truncate_down_and_up(fs):
     fh, f = fs.create(b"f")
     payload = os.urandom(3 * BS)

@@ -17,12 +17,14 @@ import os
 import random
 import re
 import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import pread_all
+from tests.conftest import pread_all, require_tool
 
 BLOCK = 64 * 1024
 CHUNK = 4096
@@ -385,6 +387,55 @@ def test_sparse_files_read_zeros_and_take_no_space(small):
         bytes(3 * BLOCK + 100) + b"middle"
         + bytes(10 * 1024 * 1024 - 3 * BLOCK - 106) + b"end" + bytes(1000) + b"far"
     ).hexdigest()
+
+
+HOLD_OPEN_WITH_UNWRITTEN_PAGES = """
+import os, sys
+fds = []
+for path in sys.argv[1:]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    if not path.endswith("untouched"):
+        os.write(fd, bytes(range(1, 256)) * 1000)
+    fds.append(fd)
+print("written", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_file_another_process_is_writing_is_archived_whole_by_tar_sparse(mounted, tmp_path):
+    """A process holds files open whose written pages are still only in the kernel's cache
+    (writeback caching: this daemon has not seen them). Their st_blocks must not be 0, for
+    GNU tar --sparse takes a non-empty file with 0 blocks for all holes and archives none of
+    its bytes; it archived such a file as zeros, silently. The file opened had its
+    attributes cached (0 blocks) before it was opened; an untouched one reports 0 blocks
+    again once closed, as the written ones report what they take."""
+    tar = require_tool("tar")
+    mnt = mounted.mountpoint
+    data = bytes(range(1, 256)) * 1000
+    write_file(mnt / "opened")
+    assert os.stat(mnt / "opened").st_blocks == 0
+    names = ["created", "opened", "untouched"]
+    writer = subprocess.Popen([sys.executable, "-c", HOLD_OPEN_WITH_UNWRITTEN_PAGES,
+                               *(str(mnt / name) for name in names)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline() == "written\n"
+        for name in ("created", "opened"):
+            st = os.stat(mnt / name)
+            assert (st.st_size, st.st_blocks > 0) == (len(data), True), (name, st)
+        archive, out = tmp_path / "a.tar", tmp_path / "out"
+        out.mkdir()
+        subprocess.run([tar, "-cSf", str(archive), "-C", str(mnt), *names], check=True)
+        subprocess.run([tar, "-xSf", str(archive), "-C", str(out)], check=True)
+        assert read_file(out / "created") == data
+        assert read_file(out / "opened") == data
+        assert read_file(out / "untouched") == b""
+    finally:
+        writer.communicate("\n", timeout=30)
+    assert writer.returncode == 0
+    for name in ("created", "opened"):
+        assert os.stat(mnt / name).st_blocks * 512 >= len(data), name
+    assert os.stat(mnt / "untouched").st_blocks == 0
 
 
 def test_truncate_while_another_handle_reads(small):
