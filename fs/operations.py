@@ -434,8 +434,7 @@ class Operations(pyfuse3.Operations):
             try:
                 await self._truncate_at_open(handle.of, ctx)
             except BaseException:  # the kernel sends no release for a failed open
-                self.handles.pop(fi.fh)
-                self.blockio.release(handle.of, writer=handle.writer)
+                self._release(self.handles.pop(fi.fh))
                 raise
             fi.keep_cache = False
         if handle.writer and not handle.of.blocks and self.nursery is not None:
@@ -501,6 +500,10 @@ class Operations(pyfuse3.Operations):
     @handler
     async def release(self, fh):
         handle = self.handles.pop(fh)
+        self._release(handle)
+        self._maybe_purge(handle.of.ino)
+
+    def _release(self, handle: Handle) -> None:
         of = handle.of
         try:
             self.blockio.release(of, writer=handle.writer)
@@ -509,7 +512,6 @@ class Operations(pyfuse3.Operations):
                 self.placeholder_blocks.discard(of.ino)  # the kernel may have cached it
                 if self.nursery is not None:
                     _invalidate_inode(of.ino, attr_only=True)
-        self._maybe_purge(of.ino)
 
     def writers_open(self) -> int:
         """Open handles that may write (a signal's unmount waits for them)."""
