@@ -572,14 +572,19 @@ class Replica:
         self.gs = new_gs
 
     def fsync(self) -> None:
-        """Make the data and meta file durable (``fdatasync`` both)."""
+        """Make the data and meta file durable (``fdatasync`` both). A file deleted behind
+        the daemon's back syncs without an error and is gone at its close: that fails
+        here, so that the replica is not taken for durable."""
         if self._closed:
             self._refuse("fsync")
         try:
             os.fdatasync(self._data_fd)
             os.fdatasync(self._meta_fd)
+            deleted = 0 in (os.fstat(self._data_fd).st_nlink, os.fstat(self._meta_fd).st_nlink)
         except OSError as e:
             raise self._os_error("fsync", e) from e
+        if deleted:
+            raise FsError(errno.EIO, f"cannot fsync {self._where()}: its file was deleted")
 
     def close(self) -> None:
         """Close both files; calling it again does nothing."""

@@ -272,26 +272,69 @@ class BlockIO:
             raise first_error
 
     async def fsync(self, of: OpenFile) -> None:
-        """Make the file's data and all metadata durable before returning."""
+        """Make the file's data and all metadata durable before returning.
+
+        A replica that cannot be synced (a failing disk, a file deleted behind the daemon's
+        back) is reported bad, as one a read meets, and does not fail the fsync while its
+        block has another replica that synced: as an HDFS write pipeline goes on without a
+        failed DataNode. A block none of whose replicas synced fails the fsync and stays
+        unsynced, so that a later fsync tries it again instead of calling it durable."""
         async with of.lock:
             self.persist(of)
             blocks = [i for i in sorted(of.unsynced) if i in of.blocks]
-            replicas = [r for i in blocks if i in of.replicas for r in of.replicas[i]]
-            closed = [(self.volumes.get(v), of.blocks[i].block_id, of.blocks[i].gs)
+            replicas = [(i, r) for i in blocks if i in of.replicas for r in of.replicas[i]]
+            closed = [(i, self.volumes.get(v), of.blocks[i].block_id, of.blocks[i].gs)
                       for i in blocks if i not in of.replicas
                       for v in of.blocks[i].volumes if v in self.volumes.by_id]
             of.unsynced.clear()
-            with self._pinned(of, replicas):
-                await self._sync_namespace_after(self._fsync_replicas, replicas, closed)
+            try:
+                with self._pinned(of, [replica for _, replica in replicas]):
+                    failed = await self._sync_namespace_after(self._fsync_replicas,
+                                                              replicas, closed)
+            except BaseException:
+                of.unsynced.update(blocks)  # nothing is known to be durable
+                raise
+            if failed:
+                tried = Counter(i for i, _ in replicas) + Counter(i for i, *_ in closed)
+                self._after_failed_fsyncs(of, tried, failed)
 
     @staticmethod
-    def _fsync_replicas(replicas: list[Replica], closed: list) -> None:
+    def _fsync_replicas(replicas: list, closed: list) -> list[tuple[int, int, FsError]]:
         """Open replicas through their descriptors, the others (closed since they were
-        written, see OPEN_BLOCKS_PER_FILE) by name."""
-        for replica in replicas:
-            replica.fsync()
-        for volume, block_id, gs in closed:
-            volume.sync_replica(block_id, gs)
+        written, see OPEN_BLOCKS_PER_FILE) by name; returns (block index, volume id, error)
+        of each that failed. Running out of descriptors is nobody's fault: it is raised."""
+        failed = []
+        for index, replica in replicas:
+            try:
+                replica.fsync()
+            except FsError as exc:
+                failed.append((index, replica.volume.id, exc))
+        for index, volume, block_id, gs in closed:
+            try:
+                volume.sync_replica(block_id, gs)
+            except FsError as exc:
+                if exc.errno in OUT_OF_DESCRIPTORS:
+                    raise
+                failed.append((index, volume.id, exc))
+        return failed
+
+    def _after_failed_fsyncs(self, of: OpenFile, tried: Counter,
+                             failed: list[tuple[int, int, FsError]]) -> None:
+        """Replicas that failed to sync go to the monitor; blocks with none synced stay
+        unsynced and fail the fsync (ENOSPC if that is what every one of them met)."""
+        for index, volume_id, exc in failed:
+            log.error("fsync of inode %d, block index %d: replica on volume %d failed: %s",
+                      of.ino, index, volume_id, exc)
+            self.on_bad_replica(of.ino, index, volume_id, str(exc))
+        failures = Counter(index for index, _, _ in failed)
+        lost = sorted(index for index, count in failures.items() if count == tried[index])
+        if not lost:
+            return
+        of.unsynced.update(lost)
+        errors = [exc for index, _, exc in failed if index in lost]
+        code = errno.ENOSPC if all(e.errno == errno.ENOSPC for e in errors) else errno.EIO
+        raise FsError(code, f"no replica of block(s) {lost} of inode {of.ino} could be "
+                            f"synced: {errors[0]}")
 
     def closed_unsynced_files(self) -> int:
         """Files no longer open whose unsynced blocks are remembered (every open file has
@@ -345,10 +388,11 @@ class BlockIO:
         """Make every committed transaction durable (fsyncdir, the one-second tick)."""
         await self._sync_namespace_after(lambda: None)
 
-    async def _sync_namespace_after(self, work: Callable, *args) -> None:
-        """In a worker thread: ``work(*args)``, then sync the namespace."""
+    async def _sync_namespace_after(self, work: Callable, *args):
+        """In a worker thread: ``work(*args)``, then sync the namespace; returns what
+        ``work`` returned."""
         with self._deleting_deferred_trash_after_sync():
-            await trio.to_thread.run_sync(_then_sync, work, args, self.ns)
+            return await trio.to_thread.run_sync(_then_sync, work, args, self.ns)
 
     def sync_namespace_now(self) -> bool:
         """The same, in the event loop: for a write that found no room while deleted
@@ -750,9 +794,10 @@ def replica_budget() -> int:
     return max(16, (soft - RESERVED_FDS) // FDS_PER_REPLICA)
 
 
-def _then_sync(work: Callable, args: tuple, ns: Namespace) -> None:
-    work(*args)
+def _then_sync(work: Callable, args: tuple, ns: Namespace):
+    result = work(*args)
     ns.sync()
+    return result
 
 
 def _plan_replicas(plan: list) -> list[Replica]:

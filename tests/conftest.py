@@ -137,6 +137,16 @@ def evict(path) -> None:
         os.close(fd)
 
 
+def wait_for(predicate, timeout: float = 10.0) -> bool:
+    """Poll ``predicate`` until it is true or ``timeout`` seconds have passed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
 def assert_fsck_clean(data: Path) -> None:
     result = run_tool("fsck", str(data), check=False)
     assert result.returncode == 0, f"fsck found problems:\n{result.stdout}\n{result.stderr}"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import pread_all, require_tool
+from tests.conftest import pread_all, require_tool, wait_for
 
 BLOCK = 64 * 1024
 CHUNK = 4096
@@ -84,15 +84,6 @@ def blk_files(root: Path) -> set[str]:
     for _, _, files in os.walk(root):
         found.update(f for f in files if BLK_FILE.fullmatch(f))
     return found
-
-
-def wait_for(predicate, timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 @pytest.fixture

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Mount, run_tool
+from tests.conftest import Mount, run_tool, wait_for
 
 BLOCK = 64 * 1024
 CHUNK = 4096
@@ -362,6 +362,88 @@ def test_all_replicas_bad_gives_eio_and_keeps_them(make_fs, tmp_path):
     mount.start()
     assert direct_read_errno(path, bad_chunk, CHUNK) == errno.EIO
     assert direct_read(path, 0, bad_chunk) == content[:bad_chunk]
+    mount.stop()
+
+
+# --- fsync: a replica that cannot be synced -----------------------------------------------------
+
+
+def fsync_errno(path: Path) -> int:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        return exc.errno
+    finally:
+        os.close(fd)
+    return 0
+
+
+def test_fsync_goes_on_without_a_replica_that_cannot_be_synced(make_fs):
+    """A replica whose file was deleted behind the daemon's back cannot be synced. While
+    its block has another replica that synced, the fsync succeeds (as an HDFS pipeline goes
+    on without a failed DataNode) and the monitor replaces it; it failed with EIO, and a
+    second fsync then called the blocks after it durable without syncing them. Both ways a
+    replica is synced are covered: by name (the file was closed since it was written) and
+    through the descriptors of a file still open."""
+    mount = make_fs(2)
+    closed, held = mount.mountpoint / "closed", mount.mountpoint / "held"
+    closed_content = pattern(7, 3 * BLOCK + 100)
+    fd = os.open(closed, os.O_WRONLY | os.O_CREAT, 0o644)
+    os.write(fd, closed_content)
+    os.close(fd)
+    assert wait_for(lambda: len(blocks_of(mount.data, "/closed")) == 4)
+    first = blocks_of(mount.data, "/closed")[0]
+    data_file(first["volumes"][0], first["id"]).unlink()
+    assert fsync_errno(closed) == 0
+
+    held_content = pattern(8, 3000)
+    fd = os.open(held, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, held_content[:1000])
+        os.fsync(fd)
+        os.write(fd, held_content[1000:])  # in the page cache: written back by the fsync
+        (block,) = blocks_of(mount.data, "/held")
+        meta_file(block["volumes"][1], block["id"], block["gs"]).unlink()
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    wait_for_full_replication(mount, "/closed", closed_content, 2, 4)
+    wait_for_full_replication(mount, "/held", held_content, 2, 1)
+    failures = [line for line in error_lines(mount) if "fsync of inode" in line]
+    assert len(failures) == 2, mount.log_text()
+    finish(mount)
+
+
+def test_fsync_fails_while_no_replica_of_a_block_can_be_synced(make_fs):
+    """Every replica's files deleted behind the daemon's back: the fsync fails with EIO,
+    and so does the next one (the block stays unsynced), never calling lost data durable.
+    Nothing else is lost: the other blocks are intact after a remount."""
+    mount = make_fs(2)
+    path = mount.mountpoint / "f"
+    content = pattern(9, 2 * BLOCK)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, content)
+        os.fsync(fd)
+        os.pwrite(fd, b"late", BLOCK + 10)
+        victim = blocks_of(mount.data, "/f")[1]
+        for vol in victim["volumes"]:
+            data_file(vol, victim["id"]).unlink()
+        with pytest.raises(OSError) as first:
+            os.fsync(fd)
+        assert first.value.errno == errno.EIO
+        with pytest.raises(OSError) as second:
+            os.fsync(fd)
+        assert second.value.errno == errno.EIO
+    finally:
+        os.close(fd)
+    mount.stop()
+    code, out = fsck(mount.data)
+    assert code == 1 and problem_kinds(out) == ["LOST_BLOCK", "MISSING_REPLICA",
+                                                "MISSING_REPLICA"], out
+    mount.start()
+    assert direct_read(mount.mountpoint / "f", 0, BLOCK) == content[:BLOCK]
     mount.stop()
 
 
