@@ -729,8 +729,9 @@ class BlockIO:
                 if self._cut_in_place(of, new_size) is not None:
                     await trio.to_thread.run_sync(self.ns.sync)
                 self._shrink(of, new_size, now)
+            if new_size != of.size:  # to the same size the kernel shows no new times either
+                of.mtime_ns = of.ctime_ns = now
             of.size = new_size
-            of.mtime_ns = of.ctime_ns = now
             self.persist(of)
 
     def _cut_in_place(self, of: OpenFile, new_size: int) -> int | None:

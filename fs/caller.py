@@ -4,8 +4,10 @@ depend on them.
 With ``default_permissions`` the kernel checks access before a request reaches the daemon,
 but a few decisions a disk filesystem makes in the kernel are left to a FUSE daemon: which
 ``trusted.*`` names a listing shows, whether a new file in a setgid directory keeps its
-S_ISGID bit on kernels before 6.0, and which set-id bits an ``open(O_TRUNC)`` clears (the
-kernel skips the attribute change it would send, because the OPEN itself truncates). Linux
+S_ISGID bit on kernels before 6.0, and which set-id bits a truncate or a write clears
+where the kernel does not (an ``open(O_TRUNC)``, whose OPEN itself truncates; S_ISGID
+without group execute, which FUSE's own rule keeps; a write through an uncached handle,
+which FUSE leaves to the daemon). Linux
 decides these by capability, not by uid 0, so they are decided here from the caller's
 effective capability set in ``/proc/PID/status``. When that cannot be read (the caller has
 exited), uid 0 stands for "privileged".
@@ -14,6 +16,7 @@ exited), uid 0 stands for "privileged".
 from __future__ import annotations
 
 import stat
+from dataclasses import dataclass
 
 import pyfuse3
 
@@ -52,19 +55,37 @@ def in_group_or_capable(ctx, gid: int) -> bool:
     return in_group(ctx, gid) or capable(ctx, CAP_FSETID)
 
 
-def mode_after_truncate(mode: int, gid: int, ctx) -> int:
-    """The mode a truncate by the caller leaves on a regular file, as Linux does for a
-    write or truncate: a caller holding CAP_FSETID keeps both bits; for any other, S_ISUID
-    goes, and S_ISGID goes with group execute set (a set-group-id program), or without it
-    when the caller is not in the file's group."""
-    if not stat.S_ISREG(mode) or not mode & (stat.S_ISUID | stat.S_ISGID):
-        return mode
-    if capable(ctx, CAP_FSETID):
+@dataclass(frozen=True)
+class Privileges:
+    """What decides which set-id bits a caller's write or truncate clears."""
+
+    fsetid: bool              # holds CAP_FSETID
+    groups: frozenset[int]    # primary and supplementary groups
+
+
+def privileges(ctx) -> Privileges:
+    return Privileges(capable(ctx, CAP_FSETID), frozenset({ctx.gid} | groups(ctx.pid)))
+
+
+def mode_after_write(mode: int, gid: int, privs: Privileges) -> int:
+    """The mode a write or truncate leaves on a regular file, as Linux decides it: a caller
+    holding CAP_FSETID keeps both bits; for any other, S_ISUID goes, and S_ISGID goes with
+    group execute set (a set-group-id program), or without it when the caller is not in the
+    file's group."""
+    if not stat.S_ISREG(mode) or not mode & (stat.S_ISUID | stat.S_ISGID) or privs.fsetid:
         return mode
     mode &= ~stat.S_ISUID
-    if mode & stat.S_ISGID and (mode & stat.S_IXGRP or not in_group(ctx, gid)):
+    if mode & stat.S_ISGID and (mode & stat.S_IXGRP or gid not in privs.groups):
         mode &= ~stat.S_ISGID
     return mode
+
+
+def mode_after_truncate(mode: int, gid: int, ctx) -> int:
+    """``mode_after_write`` for the caller of a request (its privileges read only when the
+    file has a set-id bit)."""
+    if not stat.S_ISREG(mode) or not mode & (stat.S_ISUID | stat.S_ISGID):
+        return mode
+    return mode_after_write(mode, gid, privileges(ctx))
 
 
 def strip_new_sgid(mode: int, parent_mode: int, gid: int, ctx) -> int:

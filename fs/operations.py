@@ -47,6 +47,7 @@ XATTR_VALUE_MAX = 65536        # Linux XATTR_SIZE_MAX
 XATTR_LIST_MAX = 65536         # Linux XATTR_LIST_MAX
 XATTR_INODE_MAX = 256 * 1024   # names + values stored per inode; beyond it ENOSPC
 XATTR_NAMESPACES = (b"user.", b"trusted.", b"security.")
+FILE_CAPABILITIES = b"security.capability"
 # A write-only open is served uncached (``direct_io``) while a new block of the file could
 # not find this much room: each write() then reaches the daemon and gets its ENOSPC. With
 # the kernel's writeback cache, write() only fills the page cache and a full volume is
@@ -92,6 +93,9 @@ class Handle:
     # into its page cache and sends them with SETATTR; a direct write it leaves to this
     # daemon.
     direct: bool = False
+    # A writer's, served uncached: the kernel leaves clearing set-id bits and file
+    # capabilities after its writes to this daemon (``_after_uncached_write``).
+    privileges: caller.Privileges | None = None
 
 
 @dataclass(eq=False)
@@ -296,6 +300,13 @@ class Operations(pyfuse3.Operations):
         of = self.blockio.files.get(inode)
         if fields.update_mode:
             changes["mode"] = attr.st_mode
+        if fields.update_size:
+            # FUSE's kernel side clears S_ISGID on a truncate only with group execute set;
+            # Linux also clears it without, for a caller outside the file's group.
+            stored = self.ns.get_inode(inode)
+            mode = caller.mode_after_truncate(changes.get("mode", stored.mode), stored.gid, ctx)
+            if mode != changes.get("mode", stored.mode):
+                changes["mode"] = mode
         if fields.update_uid:
             changes["uid"] = attr.st_uid
         if fields.update_gid:
@@ -411,14 +422,16 @@ class Operations(pyfuse3.Operations):
 
     # --- files -----------------------------------------------------------------------------
 
-    def _open(self, ino: int, flags: int, created: Inode | None = None) -> pyfuse3.FileInfo:
+    def _open(self, ino: int, flags: int, ctx,
+              created: Inode | None = None) -> pyfuse3.FileInfo:
         writer = (flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
         direct = bool(flags & os.O_DIRECT) or (
             (flags & os.O_ACCMODE) == os.O_WRONLY
             and not self.blockio.placer.has_room(ino, WRITEBACK_HEADROOM))
+        privileges = caller.privileges(ctx) if writer and direct else None
         of = self.blockio.acquire(ino, writer=writer, created=created)
         fh = self._fh()
-        self.handles[fh] = Handle(of, writer, direct)
+        self.handles[fh] = Handle(of, writer, direct, privileges)
         fi = pyfuse3.FileInfo(fh=fh)
         if direct:
             fi.direct_io = True
@@ -428,7 +441,7 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def open(self, inode, flags, ctx):
-        fi = self._open(inode, flags)
+        fi = self._open(inode, flags, ctx)
         handle = self.handles[fi.fh]
         if flags & os.O_TRUNC:  # Linux truncates even for O_RDONLY (permission checked)
             try:
@@ -459,7 +472,7 @@ class Operations(pyfuse3.Operations):
     @handler
     async def create(self, parent_inode, name, mode, flags, ctx):
         inode = self._make(parent_inode, name, (mode & 0o7777) | stat.S_IFREG, ctx)
-        fi = self._open(inode.ino, flags, created=inode)
+        fi = self._open(inode.ino, flags, ctx, created=inode)
         return fi, self._reply_entry(inode)
 
     @handler
@@ -476,10 +489,31 @@ class Operations(pyfuse3.Operations):
         handle = self.handles[fh]
         of = handle.of
         try:
-            return self.blockio.write(of, off, buf, stamp_times=handle.direct)
+            written = self.blockio.write(of, off, buf, stamp_times=handle.direct)
         except FsError:
             self._invalidate_later(of.ino)
             raise
+        if handle.privileges is not None:
+            self._after_uncached_write(of, handle.privileges)
+        return written
+
+    def _after_uncached_write(self, of: OpenFile, privileges: caller.Privileges) -> None:
+        """What the kernel does itself after a write into its cache, it leaves to the
+        filesystem for an uncached one (``FUSE_WRITE_KILL_SUIDGID``, a flag pyfuse3 does
+        not pass on): clear the set-id bits the writer may not keep, and drop file
+        capabilities (``security.capability``), which any write drops."""
+        inode = self.ns.get_inode(of.ino)
+        mode = caller.mode_after_write(inode.mode, inode.gid, privileges)
+        has_capabilities = FILE_CAPABILITIES in self.ns.list_xattrs(of.ino)
+        if mode == inode.mode and not has_capabilities:
+            return
+        now = time.time_ns()
+        if mode != inode.mode:
+            self._store_attrs(of.ino, of, mode=mode, ctime_ns=now)
+        if has_capabilities:
+            self.ns.remove_xattr(of.ino, FILE_CAPABILITIES, now)
+        if self.nursery is not None:  # mounted: the kernel's cached mode
+            _invalidate_inode(of.ino, attr_only=True)
 
     def _invalidate_later(self, ino: int) -> None:
         """A write failed: with writeback caching the kernel still holds the pages and the

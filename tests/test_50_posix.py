@@ -202,6 +202,19 @@ def append_to(path, data: bytes = b"x") -> None:
         os.close(fd)
 
 
+def direct_write_to(path) -> None:
+    """One page at offset 0 through O_DIRECT, which tierfs serves uncached: the kernel then
+    leaves clearing set-id bits and file capabilities to the filesystem."""
+    page = mmap.mmap(-1, mmap.PAGESIZE)  # page-aligned, as O_DIRECT wants
+    page.write(b"d" * mmap.PAGESIZE)
+    fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+    try:
+        os.pwritev(fd, [page], 0)
+    finally:
+        os.close(fd)
+        page.close()
+
+
 @pytest.fixture
 def mnt(mounted) -> Path:
     return mounted.mountpoint
@@ -373,6 +386,12 @@ def _setid_scenario(base: Path) -> dict:
     make("nonmember_opens_trunc_sgid_noexec", 0o2666, 0, GROUP)
     make("member_opens_trunc_sgid_noexec", 0o2666, 0, GROUP)
     make("root_opens_trunc", 0o6777)
+    # Uncached (O_DIRECT) writes, and truncates by path of S_ISGID without g+x, are rules
+    # the kernel's FUSE side leaves to the filesystem.
+    make("other_writes_direct", 0o6777)
+    make("root_writes_direct", 0o6757)
+    make("nonmember_truncates_sgid_noexec", 0o2666, 0, GROUP)
+    make("member_truncates_sgid_noexec", 0o2666, 0, GROUP)
     os.mkdir(base / "dir")
     os.chmod(base / "dir", 0o3777)
 
@@ -391,12 +410,17 @@ def _setid_scenario(base: Path) -> dict:
     as_user(base, lambda: write_file("nonmember_opens_trunc_sgid_noexec"))
     as_user(base, lambda: write_file("member_opens_trunc_sgid_noexec"), groups=[GROUP])
     write_file(base / "root_opens_trunc")
+    as_user(base, lambda: direct_write_to("other_writes_direct"))
+    direct_write_to(base / "root_writes_direct")
+    as_user(base, lambda: os.truncate("nonmember_truncates_sgid_noexec", 3))
+    as_user(base, lambda: os.truncate("member_truncates_sgid_noexec", 3), groups=[GROUP])
     os.chown(base / "dir", NOBODY, NOBODY)
     names = ["other_writes", "owner_writes", "root_writes", "chown_by_root",
              "chown_sgid_noexec", "other_truncates", "chgrp_by_owner",
              "chmod_sgid_foreign_group", "other_opens_trunc", "owner_opens_trunc_empty",
              "nonmember_opens_trunc_sgid_noexec", "member_opens_trunc_sgid_noexec",
-             "root_opens_trunc", "dir"]
+             "root_opens_trunc", "other_writes_direct", "root_writes_direct",
+             "nonmember_truncates_sgid_noexec", "member_truncates_sgid_noexec", "dir"]
     return {n: oct(stat.S_IMODE(os.stat(base / n).st_mode)) for n in names}
 
 
@@ -415,7 +439,28 @@ def test_setuid_and_setgid_bits_are_cleared_like_ext4(mnt, ref):
     assert r["nonmember_opens_trunc_sgid_noexec"] == oct(0o666)
     assert r["member_opens_trunc_sgid_noexec"] == oct(0o2666)
     assert r["root_opens_trunc"] == oct(0o6777)    # CAP_FSETID keeps them, as for writes
+    assert r["other_writes_direct"] == oct(0o777)
+    assert r["root_writes_direct"] == oct(0o6757)
+    assert r["nonmember_truncates_sgid_noexec"] == oct(0o666)
+    assert r["member_truncates_sgid_noexec"] == oct(0o2666)
     assert r["dir"] == oct(0o3777)                 # directories keep theirs
+
+
+def _file_capability_scenario(base: Path) -> dict:
+    """Any write drops file capabilities (``security.capability``), a write by root too."""
+    cap_net_raw = struct.pack("<5I", 0x02000001, 1 << 13, 0, 0, 0)  # VFS_CAP_REVISION_2, +ep
+    out = {}
+    for name, write in (("appended", append_to), ("written_direct", direct_write_to)):
+        write_file(base / name, b"0123456789", 0o755)
+        os.setxattr(base / name, "security.capability", cap_net_raw)
+        write(base / name)
+        out[name] = "security.capability" in os.listxattr(base / name)
+    return out
+
+
+def test_a_write_drops_file_capabilities_like_ext4(mnt, ref):
+    assert both(mnt, ref, _file_capability_scenario) == {"appended": False,
+                                                         "written_direct": False}
 
 
 def _setgid_dir_scenario(base: Path) -> dict:
@@ -1266,7 +1311,8 @@ def test_times_stat_shows_are_the_times_kept(mounted):
     """With writeback caching the kernel sets a file's mtime and ctime on write() and sends
     them when they change; when a write lands in the same clock tick as the truncate before
     it, it sends none. The daemon used to stamp its own clock on every WRITE, so a few ms
-    later times appeared once the kernel evicted the inode (ext4: none moves)."""
+    later times appeared once the kernel evicted the inode (ext4: none moves). So did a
+    truncate(2) by path to the size the file has, which the kernel does not stamp."""
     mnt = mounted.mountpoint
     moved = []
     for i in range(12):
@@ -1283,6 +1329,9 @@ def test_times_stat_shows_are_the_times_kept(mounted):
                 os.pwrite(fd, b"v" * 10, 199_990)
         finally:
             os.close(fd)
+        if i % 3 == 0:  # a truncate by path to the same size: the kernel shows no new time
+            time.sleep(0.01)
+            os.truncate(path, 200_000)
         cached = os.stat(path)
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("2")  # evict unused inodes: the next stat asks the daemon
