@@ -94,7 +94,7 @@ class Handle:
     # daemon.
     direct: bool = False
     # A writer's, served uncached: the kernel leaves clearing set-id bits and file
-    # capabilities after its writes to this daemon (``_after_uncached_write``).
+    # capabilities for its writes to this daemon (``_before_uncached_write``).
     privileges: caller.Privileges | None = None
 
 
@@ -488,20 +488,20 @@ class Operations(pyfuse3.Operations):
         clock here made mtime jump forward when the kernel evicted the inode."""
         handle = self.handles[fh]
         of = handle.of
+        if handle.privileges is not None:
+            self._before_uncached_write(of, handle.privileges)
         try:
-            written = self.blockio.write(of, off, buf, stamp_times=handle.direct)
+            return self.blockio.write(of, off, buf, stamp_times=handle.direct)
         except FsError:
             self._invalidate_later(of.ino)
             raise
-        if handle.privileges is not None:
-            self._after_uncached_write(of, handle.privileges)
-        return written
 
-    def _after_uncached_write(self, of: OpenFile, privileges: caller.Privileges) -> None:
-        """What the kernel does itself after a write into its cache, it leaves to the
+    def _before_uncached_write(self, of: OpenFile, privileges: caller.Privileges) -> None:
+        """What the kernel does itself before a write into its cache, it leaves to the
         filesystem for an uncached one (``FUSE_WRITE_KILL_SUIDGID``, a flag pyfuse3 does
         not pass on): clear the set-id bits the writer may not keep, and drop file
-        capabilities (``security.capability``), which any write drops."""
+        capabilities (``security.capability``), which any write drops. Before the write,
+        as the kernel does: a file is never changed with the privileges still on it."""
         inode = self.ns.get_inode(of.ino)
         mode = caller.mode_after_write(inode.mode, inode.gid, privileges)
         has_capabilities = FILE_CAPABILITIES in self.ns.list_xattrs(of.ino)
