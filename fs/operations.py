@@ -295,17 +295,18 @@ class Operations(pyfuse3.Operations):
         if fields.update_mtime:
             changes["mtime_ns"] = storable_time_ns(attr.st_mtime_ns)
         ctime = storable_time_ns(attr.st_ctime_ns) if fields.update_ctime else now
+        truncated = None
         if fields.update_size:
-            await self._truncate(inode, attr.st_size, fh)
+            truncated = await self._truncate(inode, attr.st_size, fh)
         of = self.blockio.files.get(inode)
         if fields.update_mode:
             changes["mode"] = attr.st_mode
-        if fields.update_size:
+        if truncated is not None:
             # FUSE's kernel side clears S_ISGID on a truncate only with group execute set;
             # Linux also clears it without, for a caller outside the file's group.
-            stored = self.ns.get_inode(inode)
-            mode = caller.mode_after_truncate(changes.get("mode", stored.mode), stored.gid, ctx)
-            if mode != changes.get("mode", stored.mode):
+            before = changes.get("mode", truncated.mode)
+            mode = caller.mode_after_truncate(before, truncated.gid, ctx)
+            if mode != before:
                 changes["mode"] = mode
         if fields.update_uid:
             changes["uid"] = attr.st_uid
@@ -336,7 +337,9 @@ class Operations(pyfuse3.Operations):
             of.atime_ns, of.mtime_ns, of.ctime_ns = (
                 updated.atime_ns, updated.mtime_ns, updated.ctime_ns)
 
-    async def _truncate(self, ino: int, size: int, fh) -> None:
+    async def _truncate(self, ino: int, size: int, fh) -> Inode:
+        """Truncate a regular file; returns its inode as read before (a truncate changes
+        neither its mode nor its owner)."""
         inode = self.ns.get_inode(ino)
         if stat.S_ISDIR(inode.mode):
             raise FsError(errno.EISDIR, "cannot truncate a directory")
@@ -347,6 +350,7 @@ class Operations(pyfuse3.Operations):
             await self.blockio.truncate(of, size)
         finally:
             self.blockio.release(of, writer=True)
+        return inode
 
     @handler
     async def readlink(self, inode, ctx):
