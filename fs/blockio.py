@@ -29,7 +29,6 @@ from __future__ import annotations
 import errno
 import logging
 import resource
-import time
 from collections import Counter, OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -43,7 +42,7 @@ from tierfs.backends.volume_set import VolumeSet
 from tierfs.fs.errors import OUT_OF_DESCRIPTORS, FsError
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.schema import BlockRecord, Inode
-from tierfs.fs.times import AtimeRule
+from tierfs.fs.times import AtimeRule, now_ns
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +166,7 @@ class BlockIO:
         A first change that adds a block takes it in that block's transaction instead
         (``_write_new_block``): until then a crash leaves only orphan replica files."""
         if not of.leased:
-            self.ns.take_lease(of.ino, self.session, time.time_ns())
+            self.ns.take_lease(of.ino, self.session, now_ns())
             of.leased = True
 
     def release(self, of: OpenFile, *, writer: bool) -> None:
@@ -554,7 +553,7 @@ class BlockIO:
     def _touch_atime(self, of: OpenFile) -> None:
         """The mount's atime rule (``fs/times.py``), kept in memory with the file's other
         times."""
-        now = time.time_ns()
+        now = now_ns()
         if self.atime_rule.due(of.atime_ns, of.mtime_ns, of.ctime_ns, now):
             of.atime_ns = now
             of.attrs_dirty = True
@@ -594,7 +593,7 @@ class BlockIO:
         if offset + pos > of.size:
             of.size = offset + pos
         if stamp_times:
-            of.mtime_ns = of.ctime_ns = time.time_ns()
+            of.mtime_ns = of.ctime_ns = now_ns()
         of.attrs_dirty = True
         if (offset + pos) % bs == 0:
             self.persist(of)  # a block filled: its length reaches the namespace
@@ -695,7 +694,7 @@ class BlockIO:
                 replicas.append(replica)
                 replica.write(boff, piece)
             rec = BlockRecord(block_id, gs, boff + len(piece), tuple(v.id for v in volumes))
-            lease = None if of.leased else (self.session, time.time_ns())
+            lease = None if of.leased else (self.session, now_ns())
             self.ns.add_block(of.ino, index, rec, lease)
             of.leased = True
         except BaseException:
@@ -718,7 +717,7 @@ class BlockIO:
         """Shrink (drop whole blocks, cut the last under a new GS) or grow (a hole)."""
         async with of.lock:
             self._lease(of)
-            now = time.time_ns()
+            now = now_ns()
             if new_size < of.size:
                 # The lease first records the target size, so a crash at any step is
                 # completed by recovery to exactly that size (never the old size with

@@ -17,7 +17,6 @@ import errno
 import logging
 import os
 import stat
-import time
 import uuid as uuidlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -1199,10 +1198,6 @@ RENAME_WHITEOUT = 4
 
 def new_session_id() -> bytes:
     return uuidlib.uuid4().bytes
-
-
-def now_ns() -> int:
-    return time.time_ns()
 
 
 def lmdb_failure(path: Path, exc: lmdb.Error) -> FsError:

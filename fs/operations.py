@@ -23,7 +23,6 @@ import functools
 import logging
 import os
 import stat
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -37,7 +36,7 @@ from tierfs.fs.lograte import RepeatedWarnings
 from tierfs.fs.namespace import NAME_MAX, RENAME_WHITEOUT, Namespace
 from tierfs.fs.policy_xattrs import REPLICATION, PolicyXattrs, is_policy_xattr
 from tierfs.fs.schema import ROOT_INO, Inode
-from tierfs.fs.times import storable_time_ns
+from tierfs.fs.times import now_ns, storable_time_ns
 
 log = logging.getLogger(__name__)
 
@@ -241,7 +240,7 @@ class Operations(pyfuse3.Operations):
         if stat.S_ISREG(mode):
             policy = self.resolver.policy(parent)
             stamp = policy.id if policy.copy_on_create_file else None
-        return self.ns.make_node(parent, name, mode, uid, gid, rdev, time.time_ns(), target,
+        return self.ns.make_node(parent, name, mode, uid, gid, rdev, now_ns(), target,
                                  stamp_policy=stamp)
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -287,7 +286,7 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def setattr(self, inode, attr, fields, fh, ctx):
-        now = time.time_ns()
+        now = now_ns()
         changes = {}
         # Times are checked first: a request refused with EINVAL must change nothing.
         if fields.update_atime:
@@ -364,7 +363,7 @@ class Operations(pyfuse3.Operations):
         again before the reply goes out (only the attributes: nothing to wait for); a
         namespace that cannot store it (full disk) leaves atime as it was rather than
         failing the read."""
-        now = time.time_ns()
+        now = now_ns()
         if not self.blockio.atime_rule.due(inode.atime_ns, inode.mtime_ns, inode.ctime_ns,
                                            now):
             return
@@ -394,11 +393,11 @@ class Operations(pyfuse3.Operations):
     @handler
     async def link(self, inode, new_parent_inode, new_name, ctx):
         return self._reply_entry(self.ns.link(inode, new_parent_inode, new_name,
-                                              time.time_ns()))
+                                              now_ns()))
 
     @handler
     async def unlink(self, parent_inode, name, ctx):
-        self.ns.unlink(parent_inode, name, time.time_ns(), directory=False, busy=self._busy)
+        self.ns.unlink(parent_inode, name, now_ns(), directory=False, busy=self._busy)
         self._after_unlink()
 
     def _after_unlink(self) -> None:
@@ -411,7 +410,7 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def rmdir(self, parent_inode, name, ctx):
-        self.ns.unlink(parent_inode, name, time.time_ns(), directory=True, busy=self._busy)
+        self.ns.unlink(parent_inode, name, now_ns(), directory=True, busy=self._busy)
         self._after_unlink()
 
     @handler
@@ -421,7 +420,7 @@ class Operations(pyfuse3.Operations):
             uid, gid, _ = self._new_owner(self.ns.get_inode(parent_inode_old), stat.S_IFCHR, ctx)
             whiteout_owner = (uid, gid)
         self.ns.rename(parent_inode_old, name_old, parent_inode_new, name_new, flags,
-                       time.time_ns(), busy=self._busy, whiteout_owner=whiteout_owner)
+                       now_ns(), busy=self._busy, whiteout_owner=whiteout_owner)
         self._after_unlink()
 
     # --- files -----------------------------------------------------------------------------
@@ -469,7 +468,7 @@ class Operations(pyfuse3.Operations):
         inode = self.ns.get_inode(of.ino)
         mode = caller.mode_after_truncate(inode.mode, inode.gid, ctx)
         if mode != inode.mode:
-            self._store_attrs(of.ino, of, mode=mode, ctime_ns=time.time_ns())
+            self._store_attrs(of.ino, of, mode=mode, ctime_ns=now_ns())
             if self.nursery is not None:  # mounted: the kernel's cached mode
                 _invalidate_inode(of.ino, attr_only=True)
 
@@ -511,7 +510,7 @@ class Operations(pyfuse3.Operations):
         has_capabilities = FILE_CAPABILITIES in self.ns.list_xattrs(of.ino)
         if mode == inode.mode and not has_capabilities:
             return
-        now = time.time_ns()
+        now = now_ns()
         if mode != inode.mode:
             self._store_attrs(of.ino, of, mode=mode, ctime_ns=now)
         if has_capabilities:
@@ -662,7 +661,7 @@ class Operations(pyfuse3.Operations):
                         > XATTR_LIST_MAX):
             # Past this the inode could never be listed again (getfattr -d, cp -a).
             raise LimitError(errno.ENOSPC, "no room for another attribute name on this inode")
-        self.ns.set_xattr(inode, name, value, time.time_ns())
+        self.ns.set_xattr(inode, name, value, now_ns())
 
     @handler
     async def listxattr(self, inode, ctx):
@@ -682,7 +681,7 @@ class Operations(pyfuse3.Operations):
             if name == REPLICATION:
                 self.on_replication_change(inode)
             return None
-        self.ns.remove_xattr(inode, name, time.time_ns())
+        self.ns.remove_xattr(inode, name, now_ns())
 
 
 class _NoUmask:

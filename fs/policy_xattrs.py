@@ -24,7 +24,6 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import time
 from collections import Counter
 
 from tierfs.backends.volume_set import VolumeSet
@@ -32,6 +31,7 @@ from tierfs.fs.errors import FsError
 from tierfs.fs.inherited import DEFAULT
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.resolver import ATTR_POLICY, ATTR_REPLICATION, Resolver
+from tierfs.fs.times import now_ns
 from tierfs.satisfier.policies import storage_type_summary
 from tierfs.satisfier.summary import classify
 
@@ -146,14 +146,14 @@ class PolicyXattrs:
             value = self._policy_value(ino, text)
         else:
             value = self._replication_value(text)
-        self.ns.set_inherited(ino, WRITABLE[name], value, time.time_ns())
+        self.ns.set_inherited(ino, WRITABLE[name], value, now_ns())
 
     def remove(self, ino: int, name: bytes) -> None:
         if name in READ_ONLY:
             raise FsError(errno.EPERM, f"{name.decode()} is read-only")
         if name == POLICY:
             self._check_not_lazy_persist_file(ino)
-        self.ns.set_inherited(ino, WRITABLE[name], None, time.time_ns())
+        self.ns.set_inherited(ino, WRITABLE[name], None, now_ns())
 
     def _policy_value(self, ino: int, text: str) -> int:
         try:

@@ -12,7 +12,6 @@ import errno
 import os
 import re
 import shutil
-import time
 import uuid as uuidlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from tierfs.backends.volume import (FOREIGN_BUT_EMPTY, IDENTITY_FILE, Volume, ch
 from tierfs.fs.errors import FsError, UsageError
 from tierfs.fs.inherited import RenameMode
 from tierfs.fs.namespace import FsConfig, Namespace, VolumeConfig
+from tierfs.fs.times import now_ns
 from tierfs.satisfier.policies import PolicySuite
 
 NAMESPACE_DIR = "namespace"
@@ -215,7 +215,7 @@ def _write_namespace(data_dir: Path, config: FsConfig) -> None:
     shutil.rmtree(partial, ignore_errors=True)
     try:
         ns = Namespace.create(partial, config, uid=os.getuid(), gid=os.getgid(),
-                              now_ns=time.time_ns())
+                              now_ns=now_ns())
         ns.close()
         fsync_dir(partial)   # its files' entries, before the rename publishes them
         os.rename(partial, data_dir / NAMESPACE_DIR)

@@ -8,7 +8,6 @@ import errno
 import os
 import shutil
 import stat
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
@@ -25,6 +24,7 @@ from tierfs.fs.recovery import (NotAdopted, RecoveryReport, adopt_replica, delet
                                 recover_lease)
 from tierfs.fs.resolver import Resolver
 from tierfs.fs.schema import BlockRecord, Inode, Op, ROOT_INO, u64
+from tierfs.fs.times import now_ns
 from tierfs.satisfier.policies import BlockStoragePolicy
 from tierfs.tools.fsck.report import Problem
 from tierfs.tools.fsck.snapshot import _show
@@ -236,7 +236,7 @@ class _Repairer:
         def body(rows: _Rows) -> str:
             if rows.inode(ROOT_INO) is not None:
                 raise _Unchanged("the root exists")
-            now = time.time_ns()
+            now = now_ns()
             root = Inode(ROOT_INO, stat.S_IFDIR | 0o755, os.getuid(), os.getgid(), 2, 0, 0,
                          now, now, now, ROOT_INO)
             root.next_cookie = 1 + max((c for _, _, c in rows.children(ROOT_INO)),
@@ -376,7 +376,7 @@ class _Repairer:
             raw = txn.get(schema.dentry_key(ROOT_INO, LOST_FOUND), db=self.ns.db["dentries"])
         if raw is None:
             inode = self.ns.make_node(ROOT_INO, LOST_FOUND, stat.S_IFDIR | 0o700, os.getuid(),
-                                      os.getgid(), 0, time.time_ns())
+                                      os.getgid(), 0, now_ns())
             return inode.ino
         ino = schema.parse_dentry_value(raw)[0]
         if not stat.S_ISDIR(self.ns.get_inode(ino).mode):
