@@ -10,6 +10,8 @@ symlinks when they are read.
 from __future__ import annotations
 
 import errno
+import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Iterable
@@ -23,15 +25,49 @@ RELATIME_NS = 24 * 3600 * 10**9
 CLOCK_REALTIME_COARSE = 5
 
 
-def now_ns() -> int:
-    """The time to stamp a change with: the kernel's coarse clock (``CLOCK_REALTIME_COARSE``,
-    the time at the last tick). With writeback caching the kernel stamps a cached write's
-    mtime and ctime itself, from that clock; were the daemon to read the fine clock, which
-    runs up to a tick (4 ms) ahead, a file written just after another was created would look
-    older than it (``make`` then skips a rebuild), and a write to a file just created would
-    move its mtime back. On one clock, times follow the order of the changes (ties within a
-    tick, as on ext4 before multigrain timestamps)."""
-    return time.clock_gettime_ns(CLOCK_REALTIME_COARSE)
+class KernelClock:
+    """The time to stamp a change with, taken from the kernel, so that tierfs's stamps and
+    the kernel's own follow the order of the changes.
+
+    With writeback caching the kernel stamps a cached write's mtime and ctime itself, with
+    ``current_time()``: the coarse clock (the time at the last tick) or, since Linux 6.13,
+    the latest fine-grained time a multigrain filesystem (ext4, xfs, btrfs, tmpfs) handed
+    out, if that is later. Neither of Python's clocks is that. Stamped from the fine clock,
+    which runs up to a tick (4 ms) ahead, a file written just after another was created
+    looked older than it (2,986 times in 3,000; ``make`` then skips a rebuild) and a write
+    to a new file moved its mtime back; from the coarse clock, a file created just after
+    another was written looked older than it (2,157 in 3,000).
+
+    So the kernel stamps a memfd (tmpfs) with the time now, and tierfs takes that. The
+    memfd's times were read since its last change, so on a multigrain kernel it gets a
+    fine-grained time, and that time becomes the floor of every later ``current_time()``:
+    every later kernel stamp is at least this one, every earlier one at most. Before 6.13
+    it gets ``current_time()`` itself. A stamp costs about 1 µs."""
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+        self._opening = threading.Lock()
+
+    def now_ns(self) -> int:
+        fd = self._fd if self._fd is not None else self._open()
+        if fd is None:  # out of descriptors: the coarse clock until one is free
+            return time.clock_gettime_ns(CLOCK_REALTIME_COARSE)
+        os.utime(fd)
+        return os.fstat(fd).st_mtime_ns  # read, so the next stamp is fine-grained again
+
+    def _open(self) -> int | None:
+        with self._opening:
+            if self._fd is None:
+                try:
+                    fd = os.memfd_create("tierfs-clock", os.MFD_CLOEXEC)
+                except OSError:
+                    return None
+                os.fstat(fd)
+                self._fd = fd
+            return self._fd
+
+
+now_ns = KernelClock().now_ns
 
 
 def storable_time_ns(value: int) -> int:
