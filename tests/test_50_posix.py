@@ -1073,10 +1073,10 @@ CLOCK_REALTIME_COARSE = 5   # Linux's id; Python 3.11's time module does not nam
 
 
 def clock_ns() -> int:
-    """The filesystem's clock: the kernel's coarse one (up to a tick behind time.time_ns()),
-    which stamps cached writes and from which tierfs stamps every other change. A time read
-    from it before a change is a lower bound for the change's time; time.time_ns() after the
-    change is an upper bound."""
+    """The kernel's coarse clock (up to a tick behind time.time_ns()). The kernel stamps
+    cached writes, and tierfs every other change, with the kernel's time, which is never
+    behind this clock nor ahead of the fine one: a time read from it before a change is a
+    lower bound for the change's time, time.time_ns() after the change an upper bound."""
     return time.clock_gettime_ns(CLOCK_REALTIME_COARSE)
 
 
@@ -1090,7 +1090,7 @@ def test_no_change_is_stamped_earlier_than_one_before_it(mnt, tmp_path):
     the latest fine-grained time a multigrain filesystem handed out. Stamped by tierfs
     from the fine clock, a file written just after another was created looked older than
     it (2,986 times in 3,000; ``make`` then skips a rebuild) and a write to a file just
-    created moved its mtime back; from the coarse clock, a directory made just after a file
+    created moved its mtime back; from the coarse clock, a file created just after another
     was written looked older than it (2,157 in 3,000). ext4 and tmpfs: never."""
     local = tmp_path / "local"   # off the mount; stamping it fine-grained raises the floor
     write_file(local)
