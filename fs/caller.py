@@ -67,12 +67,17 @@ def privileges(ctx) -> Privileges:
     return Privileges(capable(ctx, CAP_FSETID), frozenset({ctx.gid} | groups(ctx.pid)))
 
 
+def _setid_file(mode: int) -> bool:
+    """A regular file with a set-id bit: the only kind a write or truncate changes."""
+    return stat.S_ISREG(mode) and bool(mode & (stat.S_ISUID | stat.S_ISGID))
+
+
 def mode_after_write(mode: int, gid: int, privs: Privileges) -> int:
     """The mode a write or truncate leaves on a regular file, as Linux decides it: a caller
     holding CAP_FSETID keeps both bits; for any other, S_ISUID goes, and S_ISGID goes with
     group execute set (a set-group-id program), or without it when the caller is not in the
     file's group."""
-    if not stat.S_ISREG(mode) or not mode & (stat.S_ISUID | stat.S_ISGID) or privs.fsetid:
+    if not _setid_file(mode) or privs.fsetid:
         return mode
     mode &= ~stat.S_ISUID
     if mode & stat.S_ISGID and (mode & stat.S_IXGRP or gid not in privs.groups):
@@ -83,9 +88,7 @@ def mode_after_write(mode: int, gid: int, privs: Privileges) -> int:
 def mode_after_truncate(mode: int, gid: int, ctx) -> int:
     """``mode_after_write`` for the caller of a request (its privileges read only when the
     file has a set-id bit)."""
-    if not stat.S_ISREG(mode) or not mode & (stat.S_ISUID | stat.S_ISGID):
-        return mode
-    return mode_after_write(mode, gid, privileges(ctx))
+    return mode_after_write(mode, gid, privileges(ctx)) if _setid_file(mode) else mode
 
 
 def strip_new_sgid(mode: int, parent_mode: int, gid: int, ctx) -> int:
