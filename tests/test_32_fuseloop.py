@@ -4,13 +4,16 @@ Every mount test runs the loop with them; these pin down their own contracts. Th
 free lock is taken without a trip through the scheduler, waiters are served first come
 first served, and a waiter cancelled while it waits never ends up holding the lock. The
 wait: it skips the scheduler only when nothing else could run, never for longer than its
-streak, and still returns for a request that comes after its own short wait gave up.
+streak, and still returns for a request that comes after its own short wait gave up; it
+polls without sleeping for its spin, and sleeps once when nothing came.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import threading
+import time
 
 import pyfuse3
 import pytest
@@ -303,6 +306,53 @@ def test_a_request_after_the_short_wait_still_wakes_the_loop():
         assert readiness.streak == 0
     finally:
         writer.join()
+        os.close(read_fd)
+        os.close(write_fd)
+
+
+class RecordingPoller:
+    """A real ``select.poll`` that remembers the timeout of every ``poll``."""
+
+    def __init__(self) -> None:
+        self.poller = select.poll()
+        self.timeouts: list[int] = []
+
+    def register(self, fd: int, events: int) -> None:
+        self.poller.register(fd, events)
+
+    def unregister(self, fd: int) -> None:
+        self.poller.unregister(fd)
+
+    def poll(self, timeout: int):
+        self.timeouts.append(timeout)
+        return self.poller.poll(timeout)
+
+
+def test_a_request_that_comes_during_the_spin_is_taken_without_sleeping():
+    readiness = FuseReadiness(block_ms=1000, spin_ns=10_000_000_000)
+    readiness._poller = poller = RecordingPoller()
+    read_fd, write_fd = os.pipe()
+    writer = threading.Timer(0.02, os.write, (write_fd, b"r"))
+    try:
+        writer.start()
+        assert readiness._ready(read_fd)
+        assert len(poller.timeouts) > 1 and set(poller.timeouts) == {0}
+    finally:
+        writer.join()
+        os.close(read_fd)
+        os.close(write_fd)
+
+
+def test_when_nothing_comes_during_the_spin_the_wait_sleeps_once():
+    readiness = FuseReadiness(block_ms=1, spin_ns=2_000_000)
+    readiness._poller = poller = RecordingPoller()
+    read_fd, write_fd = os.pipe()
+    try:
+        start = time.monotonic_ns()
+        assert not readiness._ready(read_fd)
+        assert time.monotonic_ns() - start >= 2_000_000  # the whole spin, then the sleep
+        assert set(poller.timeouts[:-1]) == {0} and poller.timeouts[-1] == 1
+    finally:
         os.close(read_fd)
         os.close(write_fd)
 
