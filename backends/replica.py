@@ -83,7 +83,7 @@ SYNC_BEHIND_BYTES = 4 << 20
 """Sync-behind writes (HDFS ``dfs.datanode.sync.behind.writes``): once this many bytes of a
 data file have been written since the last time, the disk is asked to start writing them
 out. The page cache would otherwise sit on a whole sequentially written file until its fsync,
-which then pays for all of it at once; measured in README, "Speed"."""
+which then pays for all of it at once; measured in README, "Block size and checksum chunk"."""
 
 READ_AHEAD_BYTES = 8 << 20
 """Datanode readahead (HDFS ``dfs.datanode.readahead.bytes``): a reader that goes on where its

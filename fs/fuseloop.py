@@ -22,10 +22,10 @@ round trips on a one-file pyfuse3 filesystem); creates on a tierfs mount went fr
   millisecond. Otherwise, and after every ``MAX_STREAK`` direct returns, it is trio's own
   ``wait_readable``.
 
-Why that is safe: while the daemon sits in ``poll`` nothing else in it could run anyway
-(no runnable task, no thread whose result is due); what can wait a little is what arrives
-by other file descriptors (signals, timers), by at most a millisecond or ``MAX_STREAK``
-requests. pyfuse3 finds its async library through its module attribute ``trio``
+Why that is safe: while the daemon spins or sits in ``poll`` nothing else in it could run
+anyway (no runnable task, no thread whose result is due); what can wait a little is what
+arrives by other file descriptors (signals, timers): by at most ``SPIN_NS`` plus
+``BLOCK_MS`` per wait, and ``MAX_STREAK`` requests. pyfuse3 finds its async library through its module attribute ``trio``
 (``pyfuse3.asyncio`` swaps it the same way); tierfs's own code uses trio unchanged.
 """
 
@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 BLOCK_MS = 1
 """How long the direct wait blocks for the next request before handing over to trio.
 A synchronous caller's next request comes 10-30 µs after the reply; when none comes, the
-daemon has nothing else to run (that was checked), so the wait costs no work."""
+daemon has nothing else to run (that was checked), so the blocking part of the wait costs
+no work."""
 
 SPIN_NS = 50_000
 """How long the direct wait polls for the next request without sleeping before it blocks.
@@ -59,7 +60,7 @@ loop, spinning against not): creates 2,700-2,900 → 4,200-5,200/s, renames 2,60
 gained less, 100 µs and 1 ms no more. The price is at most ``SPIN_NS`` of CPU after a
 request that no other follows soon (measured: 2,000 lookups 0.6 ms apart took 70 ms of
 daemon CPU without the spin and 160 ms with it); an idle mount does not spin at all. Each
-turn of the spin yields the CPU to any other runnable thread."""
+turn of the spin offers the CPU to other runnable threads (``sched_yield``)."""
 
 MAX_STREAK = 32
 """Direct returns in a row before one full scheduler pass, so that signals and timers,

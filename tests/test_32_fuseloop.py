@@ -311,11 +311,14 @@ def test_a_request_after_the_short_wait_still_wakes_the_loop():
 
 
 class RecordingPoller:
-    """A real ``select.poll`` that remembers the timeout of every ``poll``."""
+    """A real ``select.poll`` that remembers the timeout of every ``poll``. Given a pipe's
+    write end, it writes a request into it just before its third poll, so the request
+    comes in the middle of a spin whatever the machine's speed."""
 
-    def __init__(self) -> None:
+    def __init__(self, write_fd: int | None = None) -> None:
         self.poller = select.poll()
         self.timeouts: list[int] = []
+        self.write_fd = write_fd
 
     def register(self, fd: int, events: int) -> None:
         self.poller.register(fd, events)
@@ -325,20 +328,19 @@ class RecordingPoller:
 
     def poll(self, timeout: int):
         self.timeouts.append(timeout)
+        if len(self.timeouts) == 3 and self.write_fd is not None:
+            os.write(self.write_fd, b"r")
         return self.poller.poll(timeout)
 
 
 def test_a_request_that_comes_during_the_spin_is_taken_without_sleeping():
     readiness = FuseReadiness(block_ms=1000, spin_ns=10_000_000_000)
-    readiness._poller = poller = RecordingPoller()
     read_fd, write_fd = os.pipe()
-    writer = threading.Timer(0.02, os.write, (write_fd, b"r"))
+    readiness._poller = poller = RecordingPoller(write_fd)
     try:
-        writer.start()
         assert readiness._ready(read_fd)
-        assert len(poller.timeouts) > 1 and set(poller.timeouts) == {0}
+        assert poller.timeouts == [0, 0, 0]
     finally:
-        writer.join()
         os.close(read_fd)
         os.close(write_fd)
 
@@ -350,7 +352,7 @@ def test_when_nothing_comes_during_the_spin_the_wait_sleeps_once():
     try:
         start = time.monotonic_ns()
         assert not readiness._ready(read_fd)
-        assert time.monotonic_ns() - start >= 2_000_000  # the whole spin, then the sleep
+        assert time.monotonic_ns() - start >= 3_000_000  # the whole spin, then the sleep
         assert set(poller.timeouts[:-1]) == {0} and poller.timeouts[-1] == 1
     finally:
         os.close(read_fd)
