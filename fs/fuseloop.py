@@ -25,8 +25,9 @@ round trips on a one-file pyfuse3 filesystem); creates on a tierfs mount went fr
 Why that is safe: while the daemon spins or sits in ``poll`` nothing else in it could run
 anyway (no runnable task, no thread whose result is due); what can wait a little is what
 arrives by other file descriptors (signals, timers): by at most ``SPIN_NS`` plus
-``BLOCK_MS`` per wait, and ``MAX_STREAK`` requests. pyfuse3 finds its async library through its module attribute ``trio``
-(``pyfuse3.asyncio`` swaps it the same way); tierfs's own code uses trio unchanged.
+``BLOCK_MS`` per wait, and ``MAX_STREAK`` requests. pyfuse3 finds its async library
+through its module attribute ``trio`` (``pyfuse3.asyncio`` swaps it the same way);
+tierfs's own code uses trio unchanged.
 """
 
 from __future__ import annotations
