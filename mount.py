@@ -8,6 +8,10 @@ state "clean" -> sync -> release the lock.
 Without ``-f`` the command forks; the child does all of the above and reports "ready" or a
 one-line error through a pipe, so the parent's exit code tells whether the mount worked.
 
+What is wired lives elsewhere: ``fs/kernel_mount.py`` (libfuse's options, the mount points
+refused, readahead and the detaching of an aborted mount), ``fs/serving.py`` (the tasks
+that run while mounted: the request loop, the one-second tick, signals).
+
 Exit codes: 0 mounted (or unmounted cleanly with -f), 1 cannot mount, 2 usage.
 """
 
@@ -19,23 +23,20 @@ import faulthandler
 import logging
 import os
 import resource
-import signal
-import subprocess
 import sys
-import tempfile
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from functools import partial
 from pathlib import Path
-from typing import Callable
 
 import pyfuse3
 import trio
 
-from tierfs.backends.volume import syncfs
 from tierfs.backends.volume_set import VolumeSet
-from tierfs.fs import fuseloop
-from tierfs.fs.blockio import UNSYNCED_FILES_MAX, BlockIO
+from tierfs.fs.blockio import BlockIO
 from tierfs.fs.errors import FsError, UsageError
+from tierfs.fs.kernel_mount import (PATH_MAX, MountError, detach_if_aborted, fuse_options,
+                                    libfuse_messages, mount_device, refuse_overlap,
+                                    refuse_stacking, user_options)
 from tierfs.fs.mountlock import MountLock
 from tierfs.fs.namespace import Namespace, new_session_id
 from tierfs.fs.operations import Operations, make_statfs
@@ -43,19 +44,13 @@ from tierfs.fs.placement import Placer
 from tierfs.fs.recovery import delete_trash, recover
 from tierfs.fs.replication import ReplicationMonitor
 from tierfs.fs.resolver import Resolver
+from tierfs.fs.serving import serve
 from tierfs.fs.times import AtimeRule
 from tierfs.tools import mkfs, mountinfo
 
 log = logging.getLogger("tierfs.mount")
 
-TICK_SECONDS = 1.0
-SIGNAL_FLUSH_SECONDS = 30.0
-WRITERS_POLL_SECONDS = 0.2
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s: %(message)s"
-
-
-class MountError(Exception):
-    """A reason the mount cannot happen: printed as one line, exit code 1."""
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -71,152 +66,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--log", metavar="FILE",
                         help="log file (default: stderr with -f, else DATA/tierfs.log)")
     return parser.parse_args(argv)
-
-
-#: Options the daemon sets itself: the tools find a mount's DATA by its fsname and its
-#: type by the subtype, so a user's value would cut the mount off from them.
-RESERVED_OPTIONS = ("fsname", "subtype")
-#: The kernel copies a mount's source name (the fsname) with this limit, NUL included.
-PATH_MAX = 4096
-
-
-def user_options(groups: list[str]) -> set[str]:
-    """The ``-o`` options, split; MountError for one the daemon must set itself."""
-    options = {o for group in groups for o in group.split(",") if o}
-    for option in options:
-        if option.partition("=")[0] in RESERVED_OPTIONS:
-            raise MountError(f"option {option.partition('=')[0]} is set by mount.tierfs "
-                             f"(the tools find the filesystem by it)")
-    return options
-
-
-def fuse_options(data: Path, user: set[str]) -> set[str]:
-    """What libfuse gets: its defaults, the fsname and subtype, the user's ``-o``."""
-    options = set(pyfuse3.default_options) | {f"fsname={mountinfo.fsname(data)}",
-                                              "subtype=tierfs"}
-    options |= user
-    options.discard("rw")
-    options.discard("defaults")
-    return options
-
-
-class _Captured:
-    text = ""
-
-
-@contextmanager
-def libfuse_messages():
-    """Catch what libfuse writes to stderr while the mount is set up. It explains a failed
-    mount there only ("fuse: unknown option(s): `-o x'", "option allow_other only allowed
-    if 'user_allow_other' is set in /etc/fuse.conf") and raises a bare "fuse_session_new()
-    failed"; the caller puts the explanation in its one line. Joined with "; "."""
-    captured = _Captured()
-    sys.stderr.flush()
-    saved = os.dup(2)
-    # Our own log lines (pyfuse3 logs at DEBUG meanwhile) keep going where they went.
-    to_stderr = [h for h in logging.getLogger().handlers
-                 if isinstance(h, logging.StreamHandler) and _writes_to_fd(h.stream, 2)]
-    with tempfile.TemporaryFile() as sink, open(saved, "w", closefd=False) as log_stream:
-        moved = [(h, h.setStream(log_stream)) for h in to_stderr]
-        os.dup2(sink.fileno(), 2)
-        try:
-            yield captured
-        finally:
-            os.dup2(saved, 2)
-            for handler, stream in moved:
-                handler.setStream(stream)
-            os.close(saved)
-            sink.seek(0)
-            lines = sink.read().decode(errors="replace").splitlines()
-            captured.text = "; ".join(line.strip() for line in lines if line.strip())
-
-
-def _writes_to_fd(stream, fd: int) -> bool:
-    try:
-        return stream.fileno() == fd
-    except (AttributeError, OSError, ValueError):
-        return False
-
-
-def refuse_overlap(mnt: Path, path: Path, what: str) -> None:
-    """The mount point must not be, hold, or lie inside DATA or a volume: the daemon
-    reaches them by path, and through its own mount it would wait for itself forever.
-    Both as given and resolved: a DATA given as a symlink inside the mount point resolves
-    elsewhere now, but the daemon opens it by the path given, through the mount."""
-    def forms(p: Path) -> set[Path]:
-        return {Path(os.path.abspath(p)), Path(os.path.realpath(p))}
-
-    for m in forms(mnt):
-        for p in forms(path):
-            if m == p or p in m.parents or m in p.parents:
-                raise MountError(f"mount point {mnt} overlaps {what} {path}: "
-                                 f"mount it elsewhere")
-
-
-def refuse_stacking(mnt: Path) -> None:
-    """A tierfs mount already on ``mnt`` would be hidden under the new one, and
-    ``tierfs umount`` would only ever reach the top one."""
-    found = mountinfo.mount_at(str(mnt))
-    if found is not None and found.fstype == mountinfo.FSTYPE:
-        raise MountError(f"{mnt} is already the mount point of tierfs {found.data_dir}: "
-                         f"unmount it first")
-
-
-READ_AHEAD_KB = 1024
-
-
-def mount_device(mountpoint: str) -> str | None:
-    """The "major:minor" of the filesystem mounted on ``mountpoint`` (the topmost), or None.
-
-    From mountinfo: a stat() of our own mount point here would wait for this very daemon,
-    and one of a connection the kernel aborted fails.
-    """
-    target = os.path.abspath(mountpoint)  # no realpath: it would stat our own mount
-    found = [m.device for m in mountinfo.mounts() if m.mount_point == target]
-    return found[-1] if found else None
-
-
-def tune_readahead(mountpoint: str, kb: int = READ_AHEAD_KB) -> None:
-    """Raise the readahead of this mount's backing device info from the kernel's 128 KiB.
-
-    FUSE caps readahead at the bdi default, so every 128 KiB of a sequential read costs a
-    request round trip; with 1 MiB the kernel sends 1 MiB reads (measured: cold sequential
-    read 243 -> 412 MB/s). Needs root; without it the default stays, and that is logged.
-    """
-    dev = mount_device(mountpoint)
-    if dev is None:
-        log.info("readahead left at the kernel default: %s is not in the mount table",
-                 mountpoint)
-        return
-    try:
-        with open(f"/sys/class/bdi/{dev}/read_ahead_kb", "w") as f:
-            f.write(str(kb))
-    except OSError as exc:
-        log.info("readahead left at the kernel default: %s", exc)
-
-
-def detach_if_aborted(mountpoint: str, device: str | None, aborted: bool) -> None:
-    """After the session ended: a mount still in the table is one whose connection the
-    kernel aborted (``/sys/fs/fuse/connections/N/abort``, or the kernel's own abort).
-
-    libfuse then skips the unmount, leaving a dead mount that answers ENOTCONN until
-    somebody unmounts it; detach it lazily, as ``fusermount3 -u -z`` does, so that the
-    mount point is usable again and the next mount of it is not stacked on a dead one.
-    """
-    still_mounted = device is not None and mount_device(mountpoint) == device
-    if not (aborted or still_mounted):
-        return  # unmounted the ordinary way
-    log.warning("the kernel aborted the FUSE connection of %s", mountpoint)
-    if not still_mounted:
-        return
-    try:
-        result = subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True,
-                                text=True, check=False)
-        problem = result.stderr.strip() if result.returncode else None
-    except OSError as exc:
-        problem = str(exc)
-    if problem:
-        log.warning("could not detach the dead mount on %s: %s", mountpoint, problem)
 
 
 def raise_descriptor_limit() -> None:
@@ -343,151 +192,6 @@ def shutdown(ops: Operations, blockio: BlockIO, ns: Namespace) -> None:
     except FsError as exc:
         log.error("orphans not purged at unmount: %s", exc)
     log.error("unmounted uncleanly: the next mount recovers what was left open")
-
-
-async def serve(ops: Operations, blockio: BlockIO, ns: Namespace, mountpoint: str, *,
-                read_only: bool = False) -> None:
-    """Serve requests until unmounted. On a read-only mount the replication monitor does
-    not run: it would drop and copy replicas, and whoever mounts suspect storage ``ro``
-    expects its volumes left as they are (reads still fail over to a good replica)."""
-    async with trio.open_nursery() as nursery:
-        ops.nursery = nursery
-        nursery.start_soon(_tick, blockio, ns)
-        nursery.start_soon(_settle_unsynced, blockio)
-        nursery.start_soon(_signals, mountpoint, ops.writers_open)
-        nursery.start_soon(_tune_after_init, ops, mountpoint)
-        if read_only:
-            log.info("read-only mount: bad or missing replicas are not repaired")
-        else:
-            ops.on_replication_change = ops.replication.replication_may_change
-            nursery.start_soon(ops.replication.run)
-        fuseloop.install()
-        await pyfuse3.main()
-        nursery.cancel_scope.cancel()
-
-
-async def _tune_after_init(ops: Operations, mountpoint: str) -> None:
-    """The kernel recomputes readahead when FUSE_INIT is answered, so tune after that."""
-    await ops.initialized.wait()
-    await trio.to_thread.run_sync(tune_readahead, mountpoint)
-
-
-class _RetriedStep:
-    """One step of the tick, retried every second: a failure is logged once per distinct
-    reason (with its traceback when it is a bug), and again when the step works."""
-
-    def __init__(self, what: str):
-        self.what = what
-        self.failing: str | None = None
-
-    def failed(self, exc: Exception) -> None:
-        """Call from the except clause (the traceback is the current exception's)."""
-        if str(exc) != self.failing:
-            if isinstance(exc, FsError):
-                log.error("%s (retried every second): %s", self.what, exc)
-            else:
-                log.exception("BUG: %s (retried every second)", self.what)
-        self.failing = str(exc)
-
-    def worked(self) -> None:
-        if self.failing is not None:
-            log.info("%s: done again", self.what)
-        self.failing = None
-
-
-async def _tick(blockio: BlockIO, ns: Namespace) -> None:
-    """Metadata reaches disk within about a second (DESIGN.md section 3). When it cannot
-    (the namespace's disk is full), the open files keep it in memory and the next tick
-    tries again: the mount goes on, and fsync reports the error to whoever asks for
-    durability. The sync runs even when an open file could not be persisted: what
-    everything else committed (creates, renames, other files' sizes) must still reach
-    disk, and dropped blocks are deleted only after a sync."""
-    persist = _RetriedStep("metadata of open files not persisted")
-    sync = _RetriedStep("namespace not synced")
-    while True:
-        await trio.sleep(TICK_SECONDS)
-        try:
-            blockio.persist_all()
-        except Exception as exc:  # noqa: BLE001 - ending the daemon loses what open files hold
-            persist.failed(exc)
-        else:
-            persist.worked()
-        try:
-            await blockio.sync_namespace()
-        except Exception as exc:  # noqa: BLE001 - as above
-            sync.failed(exc)
-        else:
-            sync.worked()
-        if ns.space_reserve is not None:  # after a removal used it, once there is room
-            ns.space_reserve.refill()
-
-
-async def _settle_unsynced(blockio: BlockIO) -> None:
-    """Beyond UNSYNCED_FILES_MAX closed files with unsynced blocks, sync the volumes and
-    forget those blocks (``BlockIO.settle_unsynced``). A task of its own beside the tick:
-    a syncfs after a large copy may take long, and metadata must not wait for it."""
-    while True:
-        await trio.sleep(TICK_SECONDS)
-        if blockio.closed_unsynced_files() > UNSYNCED_FILES_MAX:
-            await blockio.settle_unsynced()
-
-
-async def _signals(mountpoint: str, writers_open: Callable[[], int]) -> None:
-    """SIGINT/SIGTERM unmount cleanly, once no file is open for writing: a process in the
-    middle of writing a file would otherwise go on with write() calls that succeed into a
-    page cache nobody writes back, and lose them without a word (as ``umount`` refuses a
-    busy mount; readers do not hold it up). The daemon serves on meanwhile. Then, with
-    writeback caching, the kernel may still hold data that write() accepted: it is flushed
-    (syncfs of our own mount, from a worker thread, while this loop keeps serving the
-    writes it causes), and the daemon stops. Another signal stops the waiting at once."""
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            writers = writers_open()
-            if writers:
-                log.warning("signal %d: %d file(s) open for writing; unmounting when they "
-                            "are closed (another signal: at once)", signum, writers)
-                if not await _until_signal(signals, _writers_closed, writers_open):
-                    log.warning("second signal: unmounting with files open for writing")
-                    pyfuse3.terminate()
-                    return
-            log.info("signal %d: unmounting (cached writes flushed first)", signum)
-            with trio.move_on_after(SIGNAL_FLUSH_SECONDS):
-                await _until_signal(signals, _flush, mountpoint)
-            pyfuse3.terminate()
-            return
-
-
-async def _until_signal(signals, fn, *args) -> bool:
-    """Run ``fn(*args)`` until it returns (True) or another signal arrives (False)."""
-    finished = False
-    async with trio.open_nursery() as nursery:
-        async def run_then_cancel() -> None:
-            nonlocal finished
-            await fn(*args)
-            finished = True
-            nursery.cancel_scope.cancel()
-
-        nursery.start_soon(run_then_cancel)
-        async for _ in signals:
-            break
-        nursery.cancel_scope.cancel()
-    return finished
-
-
-async def _flush(mountpoint: str) -> None:
-    await trio.to_thread.run_sync(_syncfs, mountpoint, abandon_on_cancel=True)
-
-
-async def _writers_closed(writers_open: Callable[[], int]) -> None:
-    while writers_open():
-        await trio.sleep(WRITERS_POLL_SECONDS)
-
-
-def _syncfs(mountpoint: str) -> None:
-    try:
-        syncfs(mountpoint)
-    except OSError as exc:
-        log.warning("syncfs of %s failed: %s", mountpoint, exc.strerror or exc)
 
 
 def run(args, ready_fd: int | None) -> int:

@@ -28,6 +28,7 @@ import pytest
 import trio
 
 from tierfs import mount
+from tierfs.fs import serving
 from tierfs.fs.errors import FsError
 from tierfs.fs.operations import XATTR_INODE_MAX, XATTR_VALUE_MAX
 from tierfs.fs.replication import ReplicationMonitor
@@ -1343,7 +1344,7 @@ def test_a_file_opened_while_the_syncfs_runs_keeps_its_unsynced_blocks(fs, monke
 def test_the_daemon_settles_unsynced_blocks_beyond_the_limit(fs, monkeypatch):
     """The daemon's settling task calls ``settle_unsynced`` once more closed files than
     UNSYNCED_FILES_MAX are remembered, and not before."""
-    monkeypatch.setattr(mount, "TICK_SECONDS", 0.05)
+    monkeypatch.setattr(serving, "TICK_SECONDS", 0.05)
     for i in range(3):
         fh, _ = fs.create(f"f{i}".encode())
         fs.write(fh, 0, b"x")
@@ -1351,12 +1352,12 @@ def test_the_daemon_settles_unsynced_blocks_beyond_the_limit(fs, monkeypatch):
 
     async def settle_for_a_while():
         with trio.move_on_after(0.5):
-            await mount._settle_unsynced(fs.blockio)
+            await serving.settle_unsynced(fs.blockio)
 
-    monkeypatch.setattr(mount, "UNSYNCED_FILES_MAX", 3)
+    monkeypatch.setattr(serving, "UNSYNCED_FILES_MAX", 3)
     trio.run(settle_for_a_while)
     assert len(fs.blockio.unsynced) == 3
-    monkeypatch.setattr(mount, "UNSYNCED_FILES_MAX", 2)
+    monkeypatch.setattr(serving, "UNSYNCED_FILES_MAX", 2)
     trio.run(settle_for_a_while)
     assert fs.blockio.unsynced == {}
 

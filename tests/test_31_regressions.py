@@ -6,6 +6,7 @@ import argparse, errno, os, stat
 from contextlib import contextmanager
 import pyfuse3, pytest, trio
 from tierfs import mount
+from tierfs.fs import serving
 from tierfs.backends.storage_types import StorageType
 from tierfs.fs import schema
 from tierfs.fs.namespace import Namespace
@@ -679,15 +680,15 @@ def test_the_one_second_tick_survives_a_full_namespace_disk(tmp_path, monkeypatc
     """The tick persists open files' sizes and times. It used to let ENOSPC escape, which
     ended the daemon (and lost what the open files held). Now it logs once, keeps the
     metadata in memory, and persists it at the first tick after space is back."""
-    monkeypatch.setattr(mount, "TICK_SECONDS", 0.01)
-    caplog.set_level("INFO", logger="tierfs.mount")
+    monkeypatch.setattr(serving, "TICK_SECONDS", 0.01)
+    caplog.set_level("INFO", logger="tierfs.fs.serving")
 
     async def scenario(ops, blockio, ns):
         fi, entry = await ops.create(ROOT_INO, b"f", 0o644, os.O_RDWR, Ctx())
         full = _namespace_full(ns, monkeypatch)
         await ops.write(fi.fh, 0, b"x" * 5000)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(mount._tick, blockio, ns)
+            nursery.start_soon(serving.tick, blockio, ns)
             await trio.sleep(0.2)  # about 20 ticks against a full disk
             assert ns.get_inode(entry.st_ino).size == 0
             full["on"] = False
@@ -697,7 +698,7 @@ def test_the_one_second_tick_survives_a_full_namespace_disk(tmp_path, monkeypatc
         await ops.release(fi.fh)
 
     with prepared(new_filesystem(tmp_path)) as (ops, blockio, ns):
-        trio.run(scenario, ops, blockio, ns)  # before: FsError ENOSPC out of _tick
+        trio.run(scenario, ops, blockio, ns)  # before: FsError ENOSPC out of the tick
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "no space left" in errors[0].getMessage()
     assert "metadata of open files not persisted: done again" in caplog.text
@@ -709,7 +710,7 @@ def test_the_tick_goes_on_past_a_file_it_cannot_persist(tmp_path, monkeypatch, c
     persists every other open file, syncs the namespace all the same (it used to skip the
     sync while one file failed, so nothing else became durable), and keeps going."""
     from tierfs.fs.blockio import BlockIO
-    monkeypatch.setattr(mount, "TICK_SECONDS", 0.01)
+    monkeypatch.setattr(serving, "TICK_SECONDS", 0.01)
     real_persist = BlockIO.persist
     real_sync = BlockIO.sync_namespace
     syncs = []
@@ -732,7 +733,7 @@ def test_the_tick_goes_on_past_a_file_it_cannot_persist(tmp_path, monkeypatch, c
         await ops.write(bad.fh, 0, b"b" * 100)
         await ops.write(good.fh, 0, b"g" * 300)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(mount._tick, blockio, ns)
+            nursery.start_soon(serving.tick, blockio, ns)
             await trio.sleep(0.1)  # about 10 ticks
             assert ns.get_inode(good_entry.st_ino).size == 300
             assert len(syncs) >= 3, syncs
@@ -743,7 +744,7 @@ def test_the_tick_goes_on_past_a_file_it_cannot_persist(tmp_path, monkeypatch, c
         assert ns.get_inode(bad_entry.st_ino).size == 100
 
     with prepared(new_filesystem(tmp_path)) as (ops, blockio, ns):
-        trio.run(scenario, ops, blockio, ns)  # before: OverflowError out of _tick
+        trio.run(scenario, ops, blockio, ns)  # before: OverflowError out of the tick
     bugs = [r for r in caplog.records if r.levelname == "ERROR"]
     assert len(bugs) == 1 and "OverflowError: injected" in caplog.text
 
@@ -754,7 +755,7 @@ def test_the_tick_logs_a_persist_failure_and_a_sync_failure_each(tmp_path, monke
     traceback was never logged. Each step now logs its own failure, once."""
     from tierfs.fs.blockio import BlockIO
     from tierfs.fs.errors import FsError
-    monkeypatch.setattr(mount, "TICK_SECONDS", 0.01)
+    monkeypatch.setattr(serving, "TICK_SECONDS", 0.01)
 
     def broken_persist_all(self):
         raise TypeError("injected persist bug")
@@ -766,7 +767,7 @@ def test_the_tick_logs_a_persist_failure_and_a_sync_failure_each(tmp_path, monke
         monkeypatch.setattr(BlockIO, "persist_all", broken_persist_all)
         monkeypatch.setattr(BlockIO, "sync_namespace", failing_sync)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(mount._tick, blockio, ns)
+            nursery.start_soon(serving.tick, blockio, ns)
             await trio.sleep(0.1)  # about 10 ticks
             nursery.cancel_scope.cancel()
         monkeypatch.undo()
