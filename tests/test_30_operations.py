@@ -29,6 +29,7 @@ import trio
 
 from tierfs import mount
 from tierfs.fs import serving
+from tierfs.backends.replica import Replica
 from tierfs.fs.errors import FsError
 from tierfs.fs.operations import XATTR_INODE_MAX, XATTR_VALUE_MAX
 from tierfs.fs.replication import ReplicationMonitor
@@ -1300,6 +1301,37 @@ def test_a_failed_syncfs_stops_forgetting_for_the_rest_of_the_mount(fs, monkeypa
     fs.call(fs.ops.fsync, fh, False)
     fs.release(fh)
     assert synced_by_name == [block_id]
+
+
+@pytest.mark.parametrize("errors, expected", [
+    ((errno.ENOSPC, errno.ENOSPC), errno.ENOSPC),
+    ((errno.ENOSPC, errno.EIO), errno.EIO),
+])
+def test_fsync_of_a_block_no_replica_could_sync_gives_enospc_only_when_all_were_full(
+        replicated_fs, monkeypatch, caplog, errors, expected):
+    """A block none of whose replicas synced fails the fsync: with ENOSPC when every
+    replica's disk said it was full (the writer can free space and retry), else EIO. The
+    block stays unsynced, so once the disks take it again the next fsync succeeds. The
+    failure is injected where the kernel reports it, in the replica's fdatasync."""
+    fs = replicated_fs
+    fh, _ = fs.create(b"f")
+    fs.write(fh, 0, b"x" * 5000)
+    real_fsync = Replica.fsync
+    failing = dict(zip(fs.blockio.volumes.by_id, errors))
+
+    def fdatasync_fails(replica):
+        code = failing[replica.volume.id]
+        raise replica._os_error("fsync", OSError(code, os.strerror(code)))
+
+    monkeypatch.setattr(Replica, "fsync", fdatasync_fails)
+    assert fs.errno_of(fs.ops.fsync, fh, False) == expected
+    assert fs.errno_of(fs.ops.fsync, fh, False) == expected  # still unsynced: tried again
+    monkeypatch.setattr(Replica, "fsync", real_fsync)
+    fs.call(fs.ops.fsync, fh, False)
+    fs.release(fh)
+    logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(logged) == 4 and all("fsync of inode" in m for m in logged), logged
+    caplog.clear()  # the four expected ERRORs, one per replica and fsync
 
 
 def test_a_file_opened_while_the_syncfs_runs_keeps_its_unsynced_blocks(fs, monkeypatch):

@@ -978,6 +978,18 @@ def refused(result: subprocess.CompletedProcess, code: int, line: str) -> None:
     assert (result.returncode, result.stdout, result.stderr) == (code, "", line + "\n")
 
 
+def test_tierfs_without_a_command_names_them_and_debug_goes_either_side(tmp_path):
+    """``tierfs`` alone says which commands there are; ``--debug`` is taken before the
+    subcommand and after it alike (it was refused after it)."""
+    refused(tierfs(), 2, "tierfs: a COMMAND is required: one of mkfs, umount, fsck, policy, "
+                         "report (tierfs --help, tierfs COMMAND --help)")
+    data = tmp_path / "data"
+    assert tierfs("mkfs", str(data), "--debug").returncode == 0
+    for args in (["--debug", "fsck", str(data)], ["fsck", "--debug", str(data)]):
+        r = tierfs(*args)
+        assert r.returncode == 0 and "HEALTHY" in r.stdout, (args, r)
+
+
 def test_mkfs_refuses_a_data_directory_holding_anything_else(tmp_path):
     """mkfs never mixes a filesystem into someone's files: same words as mount.tierfs."""
     data = tmp_path / "data"

@@ -1104,3 +1104,34 @@ def test_a_read_only_data_directory_mounts_with_ro_and_is_left_as_it_was(tmp_pat
         subprocess.run(["umount", str(frozen)], check=True)
     Mount(data, mnt).start().stop()    # writable again: the recovery runs
     assert_fsck_clean(data)
+
+
+# --- the README's ./run script ------------------------------------------------------------------
+
+RUN_SCRIPT = Path(__file__).resolve().parent.parent / "run"
+
+
+@pytest.mark.parametrize("args, mount_point", [
+    ("/d /m", "/m"),
+    ("-o ro /d /m", "/m"),           # made a directory named "ro" in the current one
+    ("/d -f /m -o allow_other", "/m"),
+    ("--log /tmp/l --debug /d /m", "/m"),
+    ("/d -o", None),                 # no MNT: usage
+])
+def test_run_mount_finds_the_mount_point_wherever_the_options_stand(args, mount_point):
+    """``./run mount`` makes MNT before it mounts; MNT is the second argument that is not an
+    option, not the second argument."""
+    r = run(["bash", "-c", f'source "$1"; mount_point_arg {args}', "bash", str(RUN_SCRIPT)])
+    if mount_point is None:
+        assert (r.returncode, r.stdout) == (1, "")
+    else:
+        assert (r.returncode, r.stdout, r.stderr) == (0, mount_point + "\n", "")
+
+
+def test_run_shell_runs_a_command_with_the_virtualenv_active():
+    """``./run shell -c COMMAND`` ran an interactive shell and ignored the command; without
+    a terminal the virtualenv was not active either (bash reads no rc file then)."""
+    venv = os.path.dirname(os.path.dirname(TIERFS))
+    r = run([str(RUN_SCRIPT), "shell", "-c", 'echo "$VIRTUAL_ENV"; command -v tierfs'],
+            env={**os.environ, "TIERFS_VENV": venv}, stdin=subprocess.DEVNULL, timeout=300)
+    assert (r.returncode, r.stdout) == (0, f"{venv}\n{TIERFS}\n"), r.stderr

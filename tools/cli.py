@@ -201,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "directory below it: the report is of the whole filesystem)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_report)
+    parser.commands = list(sub.choices)
+    for command in sub.choices.values():  # also after the subcommand: tierfs fsck --debug D
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="log debug messages")
     return parser
 
 
@@ -220,7 +224,8 @@ def _main(argv: list[str] | None) -> int:
         # COMMAND is checked here, not by argparse (required=True), which would check it
         # first and so answer "tierfs --bogus" with "COMMAND is required".
         if args.command is None:
-            parser.error("the following arguments are required: COMMAND")
+            parser.error(f"a COMMAND is required: one of {', '.join(parser.commands)} "
+                         f"(tierfs --help, tierfs COMMAND --help)")
     except UsageError as exc:
         print(exc, file=sys.stderr)
         return exc.exit_code
