@@ -16,9 +16,15 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+import lmdb
 import pyfuse3
 
+from tierfs.backends.volume_set import resolve_volume_path
+from tierfs.fs.errors import FsError
+from tierfs.fs.mountlock import MountLock
+from tierfs.fs.namespace import Namespace
 from tierfs.tools import mountinfo
+from tierfs.tools.mkfs import NAMESPACE_DIR
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +98,7 @@ def _writes_to_fd(stream, fd: int) -> bool:
         return False
 
 
-def refuse_overlap(mnt: Path, path: Path, what: str) -> None:
+def refuse_overlap(mnt: Path, path: Path, what: str, owner: str = "") -> None:
     """The mount point must not be, hold, or lie inside DATA or a volume: the daemon
     reaches them by path, and through its own mount it would wait for itself forever.
     Both as given and resolved: a DATA given as a symlink inside the mount point resolves
@@ -103,17 +109,65 @@ def refuse_overlap(mnt: Path, path: Path, what: str) -> None:
     for m in forms(mnt):
         for p in forms(path):
             if m == p or p in m.parents or m in p.parents:
-                raise MountError(f"mount point {mnt} overlaps {what} {path}: "
+                raise MountError(f"mount point {mnt} overlaps {what} {path}{owner}: "
                                  f"mount it elsewhere")
 
 
-def refuse_stacking(mnt: Path) -> None:
+def refuse_other_filesystems(mnt: Path) -> None:
+    """Nor may the mount point be, hold or lie inside the DATA or a volume of a tierfs that
+    is mounted already: the new mount would hide that filesystem's files from its own
+    daemon, which reaches them by path (its volume would go missing under it)."""
+    for entry in mountinfo.mounts():
+        if entry.fstype != mountinfo.FSTYPE:
+            continue
+        data = Path(entry.data_dir)
+        owner = f" of the tierfs mounted on {entry.mount_point}"
+        refuse_overlap(mnt, data, "the data directory", owner)
+        for volume in _volume_paths(data):
+            refuse_overlap(mnt, volume, "volume", owner)
+
+
+def _volume_paths(data: Path) -> list[Path]:
+    """The volumes a filesystem records (its namespace read as the tools read it beside a
+    running daemon); none when it cannot be read, as for a dead mount's vanished DATA."""
+    try:
+        ns = Namespace.open(data / NAMESPACE_DIR, readonly=True)
+    except (FsError, OSError, lmdb.Error):
+        return []
+    try:
+        return [resolve_volume_path(data, v.path) for v in ns.config.volumes]
+    finally:
+        ns.close()
+
+
+def refuse_stacking(mnt: Path, data: Path) -> bool:
     """A tierfs mount already on ``mnt`` would be hidden under the new one, and
-    ``tierfs umount`` would only ever reach the top one."""
+    ``tierfs umount`` would only ever reach the top one: refused.
+
+    Except a dead mount of this same DATA, which a killed daemon leaves behind (nobody
+    holds its mount lock, and every access to it fails with ENOTCONN): True, and the
+    caller detaches it once it holds the lock itself, so that the mount after a
+    ``kill -9`` works as it would have after a crash of the whole machine. A dead mount
+    of another DATA is that filesystem's to clean up: refused, saying how."""
     found = mountinfo.mount_at(str(mnt))
-    if found is not None and found.fstype == mountinfo.FSTYPE:
+    if found is None or found.fstype != mountinfo.FSTYPE:
+        return False
+    if MountLock(Path(found.data_dir)).holder() is not None:
         raise MountError(f"{mnt} is already the mount point of tierfs {found.data_dir}: "
                          f"unmount it first")
+    if os.path.realpath(found.data_dir) != os.path.realpath(data):
+        raise MountError(f"{mnt} holds a dead mount of tierfs {found.data_dir} (its daemon "
+                         f"is gone): run tierfs umount {mnt} first")
+    return True
+
+
+def detach_dead_mount(mnt: Path) -> None:
+    """Detach the dead mount ``refuse_stacking`` found (the caller holds the lock)."""
+    problem = _detach(str(mnt))
+    if problem:
+        raise MountError(f"cannot detach the dead mount on {mnt}: {problem}")
+    log.warning("detached the dead mount on %s left by a daemon that did not stop "
+                "(killed?)", mnt)
 
 
 READ_AHEAD_KB = 1024
@@ -163,11 +217,17 @@ def detach_if_aborted(mountpoint: str, device: str | None, aborted: bool) -> Non
     log.warning("the kernel aborted the FUSE connection of %s", mountpoint)
     if not still_mounted:
         return
+    problem = _detach(mountpoint)
+    if problem:
+        log.warning("could not detach the dead mount on %s: %s", mountpoint, problem)
+
+
+def _detach(mountpoint: str) -> str | None:
+    """Unmount lazily, as ``fusermount3 -u -z`` does; None, or why it failed."""
     try:
         result = subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True,
                                 text=True, check=False)
-        problem = result.stderr.strip() if result.returncode else None
     except OSError as exc:
-        problem = str(exc)
-    if problem:
-        log.warning("could not detach the dead mount on %s: %s", mountpoint, problem)
+        return str(exc)
+    return (result.stderr.strip() or f"exit code {result.returncode}") if result.returncode \
+        else None

@@ -563,6 +563,67 @@ def test_mounting_over_a_tierfs_mount_is_refused(mounted, tmp_path):
     assert lock_is_free(other)
 
 
+def test_mounting_over_the_data_or_a_volume_of_another_tierfs_is_refused(make_mount,
+                                                                          tmp_path):
+    """A mount on another mounted tierfs's volume hid that volume from its daemon, which
+    then could not reach its replicas there; on its DATA, its namespace and log."""
+    volume = tmp_path / "elsewhere" / "disk"
+    first = make_mount("--volume", f"SSD:{tmp_path}/data/ssd", "--volume", f"DISK:{volume}")
+    (first.mountpoint / "f").write_bytes(b"on the disk volume\n")
+    other = tmp_path / "other"
+    for target, what in ((first.data / "ssd", f"the data directory {first.data}"),
+                         (first.data, f"the data directory {first.data}"),
+                         (volume, f"volume {volume}"),
+                         (volume / "current", f"volume {volume}"),
+                         (volume.parent, f"volume {volume}")):
+        r = mount_cmd(other, target)
+        assert_one_line_error(r, 1, f"mount point {target} overlaps {what} of the tierfs "
+                                    f"mounted on {first.mountpoint}: mount it elsewhere",
+                              prefix="mount.tierfs: ")
+    assert not other.exists()
+    with open(first.mountpoint / "g", "wb") as f:  # a new block, placed by path
+        f.write(b"still reachable\n")
+        os.fsync(f.fileno())
+    assert (first.mountpoint / "f").read_bytes() == b"on the disk volume\n"
+
+
+def test_the_mount_after_a_kill_9_detaches_the_dead_mount_it_left(data_dir, tmp_path):
+    """A killed daemon leaves a dead mount (ENOTCONN) on its mount point. Mounting the same
+    DATA there again failed with "Transport endpoint is not connected" until someone ran
+    tierfs umount; now it detaches the dead mount itself, recovers, and the fsynced file is
+    there. A dead mount of another DATA is not its to remove: refused, saying how."""
+    mnt = tmp_path / "mnt"
+    first = Mount(data_dir, mnt).start()
+    with open(mnt / "f", "wb") as f:
+        f.write(b"kept\n")
+        os.fsync(f.fileno())
+    first.proc.send_signal(signal.SIGKILL)
+    first.proc.wait()
+    with pytest.raises(OSError) as dead:
+        os.stat(mnt / "f")
+    assert dead.value.errno == errno.ENOTCONN
+
+    other = tmp_path / "other"
+    r = mount_cmd(other, mnt)
+    assert_one_line_error(r, 1, f"{mnt} holds a dead mount of tierfs {data_dir} (its daemon "
+                                f"is gone): run tierfs umount {mnt} first",
+                          prefix="mount.tierfs: ")
+    assert not other.exists()
+
+    r = mount_cmd(data_dir, mnt)
+    assert (r.returncode, r.stderr) == (0, ""), r.stderr
+    try:
+        assert (mnt / "f").read_bytes() == b"kept\n"
+        entries = [line for line in Path("/proc/self/mounts").read_text().splitlines()
+                   if line.split()[1] == str(mnt)]
+        assert len(entries) == 1, entries  # not stacked on the dead one
+        log = (data_dir / "tierfs.log").read_text()
+        assert f"WARNING: detached the dead mount on {mnt}" in log, log
+    finally:
+        assert run_tool("umount", str(mnt)).returncode == 0
+    assert_fsck_clean(data_dir)
+
+
 def test_mount_usage_errors(tmp_path):
     for args in ([], [str(tmp_path)], ["a", "b", "c"], ["--bogus", "a", "b"]):
         r = run([MOUNT_TIERFS, *args])
