@@ -164,6 +164,30 @@ def test_background_mount_and_tierfs_umount(data_dir, tmp_path):
     assert_remount_is_clean(data_dir, mnt, {"file": payload})
 
 
+def test_fsck_takes_a_mount_point_and_umount_takes_data(data_dir, tmp_path):
+    """Either name of a mounted filesystem works where the other is asked for: ``tierfs
+    fsck MNT`` checks its DATA (it said "not a tierfs filesystem"), and ``tierfs umount
+    DATA`` unmounts it (it said "not mounted"), as ``umount`` takes a device."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    assert mount_cmd(data_dir, mnt).returncode == 0
+    (mnt / "sub").mkdir()
+    (mnt / "sub" / "f").write_bytes(b"x" * 5000)
+    for args, path in (([str(mnt)], "/"), ([str(mnt), "/sub"], "/sub")):
+        r = run([TIERFS, "fsck", *args])
+        assert r.returncode == 0, (args, r.stdout, r.stderr)
+        assert r.stdout.startswith(f"FSCK started for path '{path}' of {data_dir} at ")
+        assert r.stdout.endswith(f"The filesystem under path '{path}' is HEALTHY\n")
+    assert " Total files:\t1\n" in r.stdout
+    r = run([TIERFS, "fsck", str(mnt), "--repair"])
+    assert_one_line_error(r, 2, f"{data_dir} is mounted", "unmount it before fsck --repair")
+    r = run([TIERFS, "umount", str(data_dir)])
+    assert (r.returncode, r.stdout, r.stderr) == (0, "", "")
+    assert not is_mounted(mnt) and lock_is_free(data_dir)
+    r = run([TIERFS, "umount", str(data_dir)])
+    assert_one_line_error(r, 1, f"{data_dir} is not mounted")
+
+
 def test_background_mount_options_and_log_file(data_dir, tmp_path):
     """``-o allow_other`` reaches the kernel in background mode; ``--log`` chooses the log."""
     mnt = tmp_path / "mnt"

@@ -169,13 +169,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_mkfs)
 
     p = sub.add_parser("umount", help="unmount a tierfs mount and wait for the daemon")
-    p.add_argument("mountpoint", metavar="MNT")
+    p.add_argument("mountpoint", metavar="MNT|DATA",
+                   help="the mount point, or the data directory of the mounted filesystem")
     p.add_argument("--timeout", type=_positive_seconds, default=120.0,
                    help="seconds to wait for the daemon (default: 120)")
     p.set_defaults(func=_umount)
 
     p = sub.add_parser("fsck", help="check a filesystem against its volumes")
-    p.add_argument("data", metavar="DATA")
+    p.add_argument("data", metavar="DATA|MNT",
+                   help="the data directory, or the mount point of a mounted filesystem")
     p.add_argument("path", nargs="?", default=None, metavar="PATH",
                    help="the subtree to check (default: /)")
     p.late_positional = ("path", "/")

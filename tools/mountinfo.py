@@ -100,3 +100,19 @@ def stat_target(path: str, error: type[Exception], missing: str) -> os.stat_resu
         raise error(missing) from None
     except OSError as exc:
         raise error(f"cannot access {path}: {exc.strerror}") from None
+
+
+def tierfs_mounted_on(path: str) -> MountEntry | None:
+    """The tierfs whose mount point is ``path``, or None (nothing, or another type)."""
+    entry = mount_at(path)
+    return entry if entry is not None and entry.fstype == FSTYPE else None
+
+
+def tierfs_mount_of(data_dir: str) -> MountEntry | None:
+    """The mount of the tierfs whose data directory is ``data_dir`` (resolved, so a symlink
+    or a relative path names it too), or None: ``tierfs umount DATA``, as ``umount``
+    takes a device for its mount point."""
+    real = os.path.realpath(data_dir)
+    found = [m for m in mounts()
+             if m.fstype == FSTYPE and os.path.realpath(m.data_dir) == real]
+    return found[-1] if found else None

@@ -1,5 +1,6 @@
 """``tierfs umount MNT``: unmount, then wait until the daemon has finished its shutdown, so
 that when the command returns the data directory is clean and free for fsck or a new mount.
+DATA may be given for MNT, as ``umount`` takes a device for its mount point.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from pathlib import Path
 
 from tierfs.fs.errors import FsError
 from tierfs.fs.mountlock import MountLock
-from tierfs.tools.mountinfo import FSTYPE, mount_at
+from tierfs.tools.mountinfo import FSTYPE, mount_at, tierfs_mount_of
 
 
 def unmount(mountpoint: Path, timeout: float = 120.0) -> None:
     found = mount_at(str(mountpoint))
+    if found is None or found.fstype != FSTYPE:
+        found = tierfs_mount_of(str(mountpoint)) or found  # DATA given for MNT
     if found is None:
         raise FsError(errno.EINVAL, f"{mountpoint} is not mounted")
     if found.fstype != FSTYPE:

@@ -1,4 +1,5 @@
-"""``tierfs fsck DATA [PATH] [--repair] [--files [--blocks [--locations]]] [--storagepolicies]``.
+"""``tierfs fsck DATA|MNT [PATH] [--repair] [--files [--blocks [--locations]]]
+[--storagepolicies]``; a mount point stands for its data directory.
 
 Checks a filesystem's namespace against itself and against its volumes, as HDFS's ``hdfs
 fsck`` checks the NameNode's view against the DataNodes' block reports and as e2fsck checks
@@ -131,6 +132,7 @@ from tierfs.fs.errors import FsError, UsageError
 from tierfs.fs.mountlock import MountLock
 from tierfs.fs.namespace import Namespace
 from tierfs.tools.mkfs import NAMESPACE_DIR, is_filesystem
+from tierfs.tools.mountinfo import tierfs_mounted_on
 from tierfs.tools import progress as _progress
 from tierfs.tools.progress import Silent
 from tierfs.tools.fsck.check import LIST_BLOCKS, LIST_FILES, LIST_LOCATIONS, _Checker
@@ -311,9 +313,11 @@ def run_fsck(args) -> int:
     """``tierfs fsck``: print the report; exit codes in the module docstring."""
     listing = (LIST_LOCATIONS if args.locations else LIST_BLOCKS if args.blocks
                else LIST_FILES if args.files else 0)
+    mounted = tierfs_mounted_on(args.data)  # a mount point given for DATA: its DATA
+    data = mounted.data_dir if mounted is not None else args.data
     progress = Progress()
     try:
-        fsck = Fsck(args.data, args.path, listing=listing,
+        fsck = Fsck(data, args.path, listing=listing,
                     storage_policies=args.storagepolicies, progress=progress)
         if args.repair:
             result = fsck.repair()
