@@ -11,13 +11,16 @@ nothing allowed has room the write fails with ENOSPC before any file is created.
 from __future__ import annotations
 
 import errno
-from typing import Callable, Iterable
+from collections import Counter
+from typing import Callable, Iterable, TypeVar
 
 from tierfs.backends.storage_types import StorageType
 from tierfs.backends.volume import Volume
 from tierfs.backends.volume_set import VolumeSet
 from tierfs.fs.errors import FsError
 from tierfs.satisfier.policies import BlockStoragePolicy
+
+T = TypeVar("T")
 
 
 def choose_volumes(policy: BlockStoragePolicy, replication: int, volumes: VolumeSet,
@@ -34,9 +37,56 @@ def choose_volumes(policy: BlockStoragePolicy, replication: int, volumes: Volume
     """
     new_block = existing is None
     existing = existing or []
-    chosen_types = [v.storage_type for v in existing if not v.storage_type.transient]
     used = [v.id for v in existing] + list(avoid)
-    added: list[Volume] = []
+
+    def take(storage_type: StorageType) -> Volume | None:
+        volume = volumes.pick(storage_type, nbytes, exclude=used)
+        if volume is not None:
+            used.append(volume.id)
+        return volume
+
+    chosen_types = [v.storage_type for v in existing if not v.storage_type.transient]
+    added = _fill(policy, replication, chosen_types, new_block, take)
+    if new_block and not added:
+        raise FsError(errno.ENOSPC, f"no volume allowed by policy {policy.name} has room")
+    return added
+
+
+def replicas_placeable(policy: BlockStoragePolicy, replication: int,
+                       volume_types: Iterable[StorageType]) -> int:
+    """How many persistent replicas of a block the policy can keep on volumes of these
+    types, one per volume, free space aside (the replication fallbacks, as re-replication
+    uses them). Below ``replication``, the blocks can never be fully replicated here:
+    what mkfs warns of, and what ``user.tierfs.satisfied`` and the log say instead of
+    "awaiting re-replication" or "no room"."""
+    left = Counter(t for t in volume_types if not t.transient)
+
+    def take(storage_type: StorageType) -> StorageType | None:
+        if left[storage_type] == 0:
+            return None
+        left[storage_type] -= 1
+        return storage_type
+
+    return len(_fill(policy, replication, [], False, take))
+
+
+def beyond_reach(policy: BlockStoragePolicy, replication: int,
+                 volumes: VolumeSet) -> str | None:
+    """Why ``replication`` replicas can never be kept on these volumes, or None."""
+    most = replicas_placeable(policy, replication, (v.storage_type for v in volumes))
+    if most >= replication:
+        return None
+    return (f"{policy.name} can keep at most {most} replica{'s' * (most != 1)} on these "
+            f"volumes (one per volume)")
+
+
+def _fill(policy: BlockStoragePolicy, replication: int, chosen_types: list[StorageType],
+          new_block: bool, take: Callable[[StorageType], T | None]) -> list[T]:
+    """HDFS's ``chooseTarget`` loop: ask the policy for the types still needed, ``take`` a
+    volume of each; types that had none become unavailable and the policy is asked again
+    (its fallbacks), until enough are chosen or nothing new can be tried."""
+    chosen_types = list(chosen_types)
+    added: list[T] = []
     unavailable: set[StorageType] = set()
     while len(chosen_types) < replication:
         wanted = policy.choose_storage_types(replication, chosen_types, unavailable,
@@ -45,18 +95,15 @@ def choose_volumes(policy: BlockStoragePolicy, replication: int, volumes: Volume
             break
         missing: set[StorageType] = set()
         for storage_type in wanted:
-            volume = volumes.pick(storage_type, nbytes, exclude=used)
-            if volume is None:
+            taken = take(storage_type)
+            if taken is None:
                 missing.add(storage_type)
                 continue
-            added.append(volume)
-            used.append(volume.id)
+            added.append(taken)
             chosen_types.append(storage_type)
         if not missing or missing <= unavailable:
             break
         unavailable |= missing
-    if new_block and not added:
-        raise FsError(errno.ENOSPC, f"no volume allowed by policy {policy.name} has room")
     return added
 
 

@@ -27,6 +27,7 @@ import stat
 from collections import Counter
 
 from tierfs.backends.volume_set import VolumeSet
+from tierfs.fs.placement import beyond_reach
 from tierfs.fs.errors import FsError
 from tierfs.fs.inherited import DEFAULT
 from tierfs.fs.namespace import Namespace
@@ -130,8 +131,9 @@ class PolicyXattrs:
         if lazy:
             reasons.append(f"{lazy} of {n} blocks only on RAM_DISK, awaiting the lazy writer")
         if under:
+            why = beyond_reach(policy, replication, self.volumes) or "awaiting re-replication"
             reasons.append(f"{under} of {n} blocks have fewer than {replication} replicas, "
-                           f"awaiting re-replication")
+                           f"{why}")
         if over:
             reasons.append(f"{over} of {n} blocks have more than {replication} replicas")
         return "no: " + "; ".join(reasons)

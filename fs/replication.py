@@ -36,7 +36,7 @@ from tierfs.backends.volume_set import VolumeSet
 from tierfs.fs.blockio import BlockIO
 from tierfs.fs.errors import OUT_OF_DESCRIPTORS, FsError
 from tierfs.fs.namespace import Namespace
-from tierfs.fs.placement import choose_volumes
+from tierfs.fs.placement import beyond_reach, choose_volumes
 from tierfs.fs.resolver import Resolver
 from tierfs.fs.schema import BlockRecord
 
@@ -300,9 +300,10 @@ class ReplicationMonitor:
             # replaces them), which would otherwise count as good ones.
             self.note(ino, index)
         if self._persistent_count(rec) < replication:
+            why = (beyond_reach(policy, replication, self.volumes)
+                   or f"no other volume allowed by {policy.name} has room")
             raise FsError(errno.ENOSPC, f"only {self._persistent_count(rec)} of {replication} "
-                                        f"replicas placeable: no volume allowed by "
-                                        f"{policy.name} has room")
+                                        f"replicas placeable: {why}")
         return len(targets)
 
     def _record(self, ino: int, index: int) -> BlockRecord | None:

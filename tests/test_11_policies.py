@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tierfs.backends.storage_types import StorageType
+from tierfs.fs.placement import replicas_placeable
 from tierfs.satisfier.policies import (
     BlockStoragePolicy,
     PolicySuite,
@@ -268,3 +269,26 @@ def test_policies_are_immutable_values():
         hot.name = "COLD"  # type: ignore[misc]
     assert hot == BlockStoragePolicy(7, "HOT", (StorageType.DISK,), (), (StorageType.ARCHIVE,))
     assert hash(hot) == hash(SUITE.get(7))
+
+
+# --- how many replicas a layout can keep at all ---------------------------------------------
+
+DEFAULT_LAYOUT = "SSD, DISK, ARCHIVE"
+
+
+@pytest.mark.parametrize("name, layout, replication, most", [
+    ("HOT", DEFAULT_LAYOUT, 1, 1),
+    ("HOT", DEFAULT_LAYOUT, 3, 2),        # DISK, then ARCHIVE (its replication fallback)
+    ("HOT", "DISK x3", 3, 3),
+    ("HOT", "SSD x3", 2, 0),              # neither DISK nor ARCHIVE
+    ("COLD", DEFAULT_LAYOUT, 2, 1),       # ARCHIVE only, no fallback
+    ("WARM", "DISK, ARCHIVE x2", 3, 3),
+    ("ONE_SSD", DEFAULT_LAYOUT, 3, 2),    # SSD and DISK; never ARCHIVE
+    ("ALL_SSD", "SSD x2, DISK", 3, 3),    # the third on its fallback, DISK
+    ("LAZY_PERSIST", "RAM_DISK, DISK", 2, 1),  # RAM_DISK is transient: counts for nothing
+])
+def test_replicas_placeable_one_per_volume(name, layout, replication, most):
+    """The most persistent replicas a policy keeps on a layout, one per volume, following
+    the same fallbacks as re-replication: what mkfs warns of and ``satisfied`` says when
+    a replication can never be met."""
+    assert replicas_placeable(SUITE.get(name), replication, types(layout)) == most

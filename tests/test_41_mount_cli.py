@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import (MOUNT_TIERFS, TIERFS, Mount, assert_fsck_clean, assert_remount_is_clean,
-                            fill_disk, is_mounted, lock_is_free, log_since, log_size,
+                            fill_disk, is_mounted, lock_is_free, log_since, log_size, wait_for,
                             run_tool, small_disk)
 
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
@@ -750,6 +750,34 @@ def test_mkfs_warns_of_a_default_policy_no_volume_can_take(tmp_path, make_mount)
     os.setxattr(mnt / "fast", "user.tierfs.storage_policy", b"ALL_SSD")
     (mnt / "fast" / "f").write_bytes(b"y" * 10)
     assert (mnt / "fast" / "f").read_bytes() == b"y" * 10
+
+
+def test_a_replication_the_volumes_cannot_hold_is_warned_of_and_explained(tmp_path,
+                                                                         make_mount):
+    """Replication 3 on the default layout: HOT keeps one replica on DISK and one on
+    ARCHIVE, and there is no third volume it may use. mkfs warned of nothing, the file's
+    ``satisfied`` said "awaiting re-replication" forever and the log "no volume allowed by
+    HOT has room" with every disk nearly empty. Now all three say what cannot be met."""
+    r = run([TIERFS, "mkfs", str(tmp_path / "three"), "--replication", "3"])
+    assert r.returncode == 0 and r.stderr == (
+        "warning: default policy HOT can keep at most 2 of 3 replicas on these volumes (one "
+        "per volume): blocks will stay under-replicated wherever no other policy is set\n")
+    r = run([TIERFS, "mkfs", str(tmp_path / "disks"), "--replication", "3"]
+            + [f"--volume=DISK:{tmp_path}/disks-{i}" for i in range(3)])
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+
+    mount = make_mount("--replication", "3", "--block-size", "1M")
+    (mount.mountpoint / "f").write_bytes(b"x" * 10)
+    why = "HOT can keep at most 2 replicas on these volumes (one per volume)"
+
+    def satisfied() -> str:
+        return os.getxattr(mount.mountpoint / "f", "user.tierfs.satisfied").decode()
+
+    assert wait_for(lambda: why in satisfied()), satisfied()
+    assert satisfied().endswith(f"1 of 1 blocks have fewer than 3 replicas, {why}")
+    assert wait_for(lambda: f"only 2 of 3 replicas placeable: {why}" in mount.log_text()), \
+        mount.log_text()
+    assert os.getxattr(mount.mountpoint / "f", "user.tierfs.placement") == b"DISK:1,ARCHIVE:1 x1"
 
 
 MKFS_ERRORS = [

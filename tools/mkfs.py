@@ -22,6 +22,7 @@ from tierfs.backends.volume import (FOREIGN_BUT_EMPTY, IDENTITY_FILE, Volume, ch
 from tierfs.fs.errors import FsError, UsageError
 from tierfs.fs.inherited import RenameMode
 from tierfs.fs.namespace import FsConfig, Namespace, VolumeConfig
+from tierfs.fs.placement import replicas_placeable
 from tierfs.fs.times import now_ns
 from tierfs.satisfier.policies import PolicySuite
 
@@ -229,21 +230,28 @@ def _write_namespace(data_dir: Path, config: FsConfig) -> None:
 
 
 def default_policy_warning(config: FsConfig) -> str | None:
-    """Why no new block could be written under the default policy, or None.
+    """Why no new block could be written under the default policy, or why none could have
+    all its replicas; None when neither.
 
     A legal filesystem, so mkfs does not refuse it (the user may mean to set a policy these
     volumes satisfy on every directory they write into), but every write under a directory
-    without one would fail with ENOSPC, which nobody should discover only then."""
+    without one would fail with ENOSPC, or every block stay under-replicated, which nobody
+    should discover only then."""
     policy = PolicySuite().get(config.default_policy)
-    present = {StorageType.parse(v.storage_type) for v in config.volumes}
-    missing = set(StorageType) - present
-    if policy.choose_storage_types(config.replication, (), missing, is_new_block=True):
-        return None
-    wanted = ", ".join(sorted({t.name for t in policy.storage_types}))
-    fallbacks = ", ".join(t.name for t in policy.creation_fallbacks) or "none"
-    return (f"warning: default policy {policy.name} can place no block on these volumes "
-            f"(it wants {wanted}; creation fallbacks: {fallbacks}): writes will fail with "
-            f"ENOSPC wherever no other policy is set")
+    types = [StorageType.parse(v.storage_type) for v in config.volumes]
+    missing = set(StorageType) - set(types)
+    if not policy.choose_storage_types(config.replication, (), missing, is_new_block=True):
+        wanted = ", ".join(sorted({t.name for t in policy.storage_types}))
+        fallbacks = ", ".join(t.name for t in policy.creation_fallbacks) or "none"
+        return (f"warning: default policy {policy.name} can place no block on these volumes "
+                f"(it wants {wanted}; creation fallbacks: {fallbacks}): writes will fail "
+                f"with ENOSPC wherever no other policy is set")
+    most = replicas_placeable(policy, config.replication, types)
+    if most < config.replication:
+        return (f"warning: default policy {policy.name} can keep at most {most} of "
+                f"{config.replication} replicas on these volumes (one per volume): blocks "
+                f"will stay under-replicated wherever no other policy is set")
+    return None
 
 
 def _undo_volumes(made, fs_uuid: str) -> None:
