@@ -27,10 +27,10 @@ import stat
 from collections import Counter
 
 from tierfs.backends.volume_set import VolumeSet
-from tierfs.fs.placement import beyond_reach
 from tierfs.fs.errors import FsError
 from tierfs.fs.inherited import DEFAULT
 from tierfs.fs.namespace import Namespace
+from tierfs.fs.placement import beyond_reach
 from tierfs.fs.resolver import ATTR_POLICY, ATTR_REPLICATION, Resolver
 from tierfs.fs.times import now_ns
 from tierfs.satisfier.policies import storage_type_summary
