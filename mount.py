@@ -34,10 +34,9 @@ import trio
 from tierfs.backends.volume_set import VolumeSet
 from tierfs.fs.blockio import BlockIO
 from tierfs.fs.errors import FsError, UsageError
-from tierfs.fs.kernel_mount import (PATH_MAX, MountError, detach_dead_mount,
-                                    detach_if_aborted, fuse_options, libfuse_messages,
-                                    mount_device, refuse_other_filesystems, refuse_overlap,
-                                    refuse_stacking, user_options)
+from tierfs.fs.kernel_mount import (PATH_MAX, MountError, detach_if_aborted, fuse_options,
+                                    libfuse_messages, mount_device, refuse_other_filesystems,
+                                    refuse_overlap, refuse_stacking, user_options)
 from tierfs.fs.mountlock import MountLock
 from tierfs.fs.namespace import Namespace, new_session_id
 from tierfs.fs.operations import Operations, make_statfs
@@ -87,13 +86,13 @@ def raise_descriptor_limit() -> None:
         log.info("descriptor limit left at %d: %s", soft, exc)
 
 
-def check_targets(data: Path, mnt: Path, option_groups: list[str]) -> tuple[set[str], bool]:
+def check_targets(data: Path, mnt: Path, option_groups: list[str]) -> set[str]:
     """What must hold before anything is written, the daemon's log in DATA included
     (MountError, or FsError from mkfs's rule for an empty DATA). Returns the user's
-    ``-o`` options, split, and whether a dead mount of DATA is on ``mnt`` (to detach)."""
+    ``-o`` options, split."""
     options = user_options(option_groups)
-    dead_mount = refuse_stacking(mnt, data)
-    if not dead_mount and not mnt.is_dir():  # is_dir() of a dead mount: ENOTCONN
+    refuse_stacking(mnt)  # first: is_dir() of a dead mount fails with ENOTCONN
+    if not mnt.is_dir():
         raise MountError(f"mount point {mnt} does not exist or is not a directory")
     if data.exists() and not data.is_dir():
         raise MountError(f"{data} is not a directory")
@@ -104,14 +103,14 @@ def check_targets(data: Path, mnt: Path, option_groups: list[str]) -> tuple[set[
     refuse_other_filesystems(mnt)
     if not mkfs.is_filesystem(data):
         mkfs.check_empty(data, mkfs.default_volumes(data))
-    return options, dead_mount
+    return options
 
 
 def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:
     """Everything up to (not including) the FUSE mount; raises MountError."""
     data = Path(os.path.abspath(args.data))
     mnt = Path(os.path.abspath(args.mountpoint))
-    options, dead_mount = check_targets(data, mnt, args.options)
+    options = check_targets(data, mnt, args.options)
     if not mkfs.is_filesystem(data):
         config = mkfs.make_filesystem(data)
         log.info("created filesystem %s in %s (default layout)", config.fs_uuid, data)
@@ -123,10 +122,6 @@ def prepare(args) -> tuple[ExitStack, Operations, BlockIO, Namespace]:
         lock = MountLock(data)
         lock.acquire(mnt, frozen=frozen)
         stack.callback(lock.release)
-        if dead_mount:
-            detach_dead_mount(mnt)
-            if not mnt.is_dir():
-                raise MountError(f"mount point {mnt} is not a directory")
         ns = Namespace.open(data / mkfs.NAMESPACE_DIR, frozen=frozen)
         stack.callback(ns.close)
         volumes = VolumeSet.open(data, ns.config.fs_uuid, ns.config.volumes)

@@ -16,15 +16,10 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-import lmdb
 import pyfuse3
 
-from tierfs.backends.volume_set import resolve_volume_path
-from tierfs.fs.errors import FsError
 from tierfs.fs.mountlock import MountLock
-from tierfs.fs.namespace import Namespace
 from tierfs.tools import mountinfo
-from tierfs.tools.mkfs import NAMESPACE_DIR
 
 log = logging.getLogger(__name__)
 
@@ -98,76 +93,53 @@ def _writes_to_fd(stream, fd: int) -> bool:
         return False
 
 
-def refuse_overlap(mnt: Path, path: Path, what: str, owner: str = "") -> None:
+def refuse_overlap(mnt: Path, path: Path, what: str, owner: str = "", *,
+                   resolve: bool = True) -> None:
     """The mount point must not be, hold, or lie inside DATA or a volume: the daemon
     reaches them by path, and through its own mount it would wait for itself forever.
     Both as given and resolved: a DATA given as a symlink inside the mount point resolves
-    elsewhere now, but the daemon opens it by the path given, through the mount."""
+    elsewhere now, but the daemon opens it by the path given, through the mount.
+    ``resolve=False``: ``path`` only as given (another filesystem's, see
+    ``refuse_other_filesystems``)."""
     def forms(p: Path) -> set[Path]:
         return {Path(os.path.abspath(p)), Path(os.path.realpath(p))}
 
     for m in forms(mnt):
-        for p in forms(path):
+        for p in forms(path) if resolve else {Path(os.path.abspath(path))}:
             if m == p or p in m.parents or m in p.parents:
                 raise MountError(f"mount point {mnt} overlaps {what} {path}{owner}: "
                                  f"mount it elsewhere")
 
 
 def refuse_other_filesystems(mnt: Path) -> None:
-    """Nor may the mount point be, hold or lie inside the DATA or a volume of a tierfs that
-    is mounted already: the new mount would hide that filesystem's files from its own
-    daemon, which reaches them by path (its volume would go missing under it)."""
+    """Nor may the mount point be, hold or lie inside the data directory of a tierfs that
+    is mounted already: the new mount would hide that filesystem's namespace and volumes
+    from its own daemon, which reaches them by path.
+
+    Only the DATA the mount table names, compared as recorded: reading another
+    filesystem's namespace for its volumes elsewhere, or resolving its paths, would make
+    this mount wait forever on whatever hangs there (a volume on an unreachable NFS
+    server, a stopped daemon) and write into its LMDB lock file."""
     for entry in mountinfo.mounts():
-        if entry.fstype != mountinfo.FSTYPE:
-            continue
-        data = Path(entry.data_dir)
-        owner = f" of the tierfs mounted on {entry.mount_point}"
-        refuse_overlap(mnt, data, "the data directory", owner)
-        for volume in _volume_paths(data):
-            refuse_overlap(mnt, volume, "volume", owner)
+        if entry.fstype == mountinfo.FSTYPE:
+            refuse_overlap(mnt, Path(entry.data_dir), "the data directory",
+                           f" of the tierfs mounted on {entry.mount_point}", resolve=False)
 
 
-def _volume_paths(data: Path) -> list[Path]:
-    """The volumes a filesystem records (its namespace read as the tools read it beside a
-    running daemon); none when it cannot be read, as for a dead mount's vanished DATA."""
-    try:
-        ns = Namespace.open(data / NAMESPACE_DIR, readonly=True)
-    except (FsError, OSError, lmdb.Error):
-        return []
-    try:
-        return [resolve_volume_path(data, v.path) for v in ns.config.volumes]
-    finally:
-        ns.close()
-
-
-def refuse_stacking(mnt: Path, data: Path) -> bool:
+def refuse_stacking(mnt: Path) -> None:
     """A tierfs mount already on ``mnt`` would be hidden under the new one, and
-    ``tierfs umount`` would only ever reach the top one: refused.
-
-    Except a dead mount of this same DATA, which a killed daemon leaves behind (nobody
-    holds its mount lock, and every access to it fails with ENOTCONN): True, and the
-    caller detaches it once it holds the lock itself, so that the mount after a
-    ``kill -9`` works as it would have after a crash of the whole machine. A dead mount
-    of another DATA is that filesystem's to clean up: refused, saying how."""
+    ``tierfs umount`` would only ever reach the top one. Also a dead one (its daemon was
+    killed; every access gives ENOTCONN): the message says so and how to clear it. The
+    mount is never taken away here: whether a daemon still serves it is only known for
+    sure to that daemon (a read-only DATA's daemon may hold no lock file at all)."""
     found = mountinfo.mount_at(str(mnt))
     if found is None or found.fstype != mountinfo.FSTYPE:
-        return False
-    if MountLock(Path(found.data_dir)).holder() is not None:
-        raise MountError(f"{mnt} is already the mount point of tierfs {found.data_dir}: "
-                         f"unmount it first")
-    if os.path.realpath(found.data_dir) != os.path.realpath(data):
-        raise MountError(f"{mnt} holds a dead mount of tierfs {found.data_dir} (its daemon "
-                         f"is gone): run tierfs umount {mnt} first")
-    return True
-
-
-def detach_dead_mount(mnt: Path) -> None:
-    """Detach the dead mount ``refuse_stacking`` found (the caller holds the lock)."""
-    problem = _detach(str(mnt))
-    if problem:
-        raise MountError(f"cannot detach the dead mount on {mnt}: {problem}")
-    log.warning("detached the dead mount on %s left by a daemon that did not stop "
-                "(killed?)", mnt)
+        return
+    lock = MountLock(Path(found.data_dir))
+    dead = lock.path.exists() and lock.holder() is None
+    raise MountError(f"{mnt} is already the mount point of tierfs {found.data_dir}"
+                     f"{' (its daemon is gone)' if dead else ''}: unmount it first "
+                     f"(tierfs umount {mnt})")
 
 
 READ_AHEAD_KB = 1024

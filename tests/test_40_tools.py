@@ -988,6 +988,9 @@ def test_tierfs_without_a_command_names_them_and_debug_goes_either_side(tmp_path
     for args in (["--debug", "fsck", str(data)], ["fsck", "--debug", str(data)]):
         r = tierfs(*args)
         assert r.returncode == 0 and "HEALTHY" in r.stdout, (args, r)
+    for args in (["policy", "--debug", "list"], ["policy", "list", "--debug"]):
+        r = tierfs(*args)
+        assert r.returncode == 0 and r.stdout.startswith("Block Storage Policies:"), (args, r)
 
 
 def test_mkfs_refuses_a_data_directory_holding_anything_else(tmp_path):

@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("policy", help="list, get, set or unset storage policies (like "
                                       "hdfs storagepolicies) of paths on a tierfs mount")
     p.usage_code = policy.USAGE
-    policy.add_subcommands(p)
+    policy_actions = policy.add_subcommands(p)
     p.set_defaults(func=_policy)
 
     p = sub.add_parser("report", help="capacity, usage and placement per storage type, "
@@ -204,7 +204,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_report)
     parser.commands = list(sub.choices)
-    for command in sub.choices.values():  # also after the subcommand: tierfs fsck --debug D
+    # --debug also after the subcommand (tierfs fsck --debug DATA) and a policy action
+    for command in [*sub.choices.values(), *policy_actions]:
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                              help="log debug messages")
     return parser

@@ -65,8 +65,9 @@ class ArgParser(argparse.ArgumentParser):
         return parsed, extras
 
 
-def add_subcommands(parser: argparse.ArgumentParser) -> None:
-    """The ``list``, ``get``, ``set`` and ``unset`` actions under ``tierfs policy``."""
+def add_subcommands(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    """The ``list``, ``get``, ``set`` and ``unset`` actions under ``tierfs policy``;
+    returns their parsers."""
     actions = parser.add_subparsers(dest="action", metavar="ACTION", parser_class=ArgParser)
     actions.required = True
     actions.add_parser("list", help="list the block storage policies")
@@ -77,6 +78,7 @@ def add_subcommands(parser: argparse.ArgumentParser) -> None:
     p.add_argument("policy", metavar="POLICY")
     p = actions.add_parser("unset", help="make a path follow its parent's storage policy")
     p.add_argument("path", metavar="PATH")
+    return list(actions.choices.values())
 
 
 def run(args, out=None, err=None) -> int:

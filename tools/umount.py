@@ -6,6 +6,7 @@ DATA may be given for MNT, as ``umount`` takes a device for its mount point.
 from __future__ import annotations
 
 import errno
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -32,8 +33,18 @@ def unmount(mountpoint: Path, timeout: float = 120.0) -> None:
         raise FsError(errno.EBUSY, f"cannot unmount {mountpoint}: {message}")
     lock = MountLock(Path(source))
     deadline = time.monotonic() + timeout
-    while lock.holder() is not None:
+    while _serves(lock.holder(), found.mount_point):
         if time.monotonic() > deadline:
             raise FsError(errno.ETIMEDOUT,
                           f"unmounted, but the daemon has not finished after {timeout:g} s")
         time.sleep(0.05)
+
+
+def _serves(holder: tuple[int, str] | None, mount_point: str) -> bool:
+    """Whether the lock's holder is the daemon of this mount, so there is a shutdown to
+    wait for. A dead mount (its daemon was killed) may be unmounted while its DATA is
+    mounted elsewhere or being repaired: that holder will not let go for this unmount.
+    An unreadable holder ("?") is waited for, as before there were names."""
+    if holder is None:
+        return False
+    return holder[1] == "?" or os.path.realpath(holder[1]) == os.path.realpath(mount_point)
