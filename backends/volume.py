@@ -56,6 +56,9 @@ LAYOUT_VERSION = 1
 _DATA_NAME = re.compile(r"blk_(-?\d+)")
 _META_NAME = re.compile(r"blk_(-?\d+)_(\d+)\.meta")
 _OPEN_FLAGS = os.O_CLOEXEC
+#: How often ``sync_replica`` follows a meta file renamed under it (a new generation stamp
+#: per write session of the file: more than a few during one sync is not a race but a bug).
+META_RENAMES_FOLLOWED = 4
 _NEW_FILE_FLAGS = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
 
 
@@ -272,17 +275,32 @@ class Volume:
 
     def sync_replica(self, block_id: int, gs: int) -> None:
         """``fdatasync`` the data and meta file of a replica nobody has open (a block an
-        open file wrote to and no longer keeps open)."""
-        for path in (self.data_path(block_id), self.meta_path(block_id, gs)):
-            try:
-                fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
+        open file wrote to and no longer keeps open).
+
+        The meta file may be renamed under the sync: a WRITE does not wait for fsync, and
+        the first one to the block in a new write session gives it a new generation stamp,
+        renaming its meta file. It is the same file, holding the checksums of what was
+        written before: it is synced under its newest name (fsx found the fsync failing
+        with EIO and a good replica reported bad)."""
+        path = self.data_path(block_id)
+        try:
+            _fdatasync(path)
+            for _ in range(META_RENAMES_FOLLOWED + 1):
+                path = self.meta_path(block_id, gs)
                 try:
-                    os.fdatasync(fd)
-                finally:
-                    os.close(fd)
-            except OSError as e:
-                raise VolumeError(f"cannot sync {path.name} on volume {self.path}: "
-                                  f"{e.strerror or e}", _errno(e)) from e
+                    _fdatasync(path)
+                    return
+                except FileNotFoundError:
+                    newer = [g for g in self.meta_gss(block_id) if g > gs]
+                    if not newer:
+                        raise
+                    gs = newer[-1]
+        except OSError as e:
+            raise VolumeError(f"cannot sync {path.name} on volume {self.path}: "
+                              f"{e.strerror or e}", _errno(e)) from e
+        raise VolumeError(f"cannot sync the meta file of block {block_id} on volume "
+                          f"{self.path}: renamed more than {META_RENAMES_FOLLOWED} times "
+                          f"meanwhile")
 
     def delete_replica(self, block_id: int, gs: int | None = None) -> None:
         """Delete the data file and the meta file of ``gs`` (every meta file if gs is None).
@@ -680,6 +698,14 @@ def syncfs(path) -> None:
         if _libc.syncfs(fd) != 0:
             err = ctypes.get_errno()
             raise OSError(err, os.strerror(err), os.fspath(path))
+    finally:
+        os.close(fd)
+
+
+def _fdatasync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | _OPEN_FLAGS)
+    try:
+        os.fdatasync(fd)
     finally:
         os.close(fd)
 

@@ -294,41 +294,8 @@ class BlockIO:
                 of.unsynced.update(blocks)  # nothing is known to be durable
                 raise
             if failed:
-                failed = await self._retry_restamped(of, closed, failed)
-            if failed:
                 tried = Counter(i for i, _ in replicas) + Counter(i for i, *_ in closed)
                 self._after_failed_fsyncs(of, tried, failed)
-
-    async def _retry_restamped(self, of: OpenFile, closed: list,
-                               failed: list[tuple[int, int, FsError]]) -> list:
-        """Sync again the replicas a WRITE gave a new generation stamp while they were being
-        synced by name; returns what still failed.
-
-        WRITE does not wait for ``of.lock``, and the kernel goes on writing back other
-        dirty pages while it waits for FSYNC. The first write to a block since its file was
-        closed renames the meta file to the new stamp, so the sync by the old name found no
-        file: not a bad replica, and no reason to fail the fsync. The data written before
-        the fsync is in the same data file; the meta file is synced under its new name, or
-        through the replica the write opened."""
-        recorded = {(index, volume.id): gs for index, volume, _, gs in closed}
-        again_open, again_closed, kept = [], [], []
-        for index, volume_id, exc in failed:
-            rec = of.blocks.get(index)
-            gs = recorded.get((index, volume_id))
-            if gs is None or rec is None or rec.gs == gs or volume_id not in rec.volumes:
-                kept.append((index, volume_id, exc))
-                continue
-            replica = next((r for r in of.replicas.get(index, ()) if r.volume.id == volume_id),
-                           None)
-            if replica is not None:
-                again_open.append((index, replica))
-            else:
-                again_closed.append((index, self.volumes.get(volume_id), rec.block_id, rec.gs))
-        if not (again_open or again_closed):
-            return failed
-        with self._pinned(of, [replica for _, replica in again_open]):
-            return kept + await self._sync_namespace_after(self._fsync_replicas, again_open,
-                                                           again_closed)
 
     @staticmethod
     def _fsync_replicas(replicas: list, closed: list) -> list[tuple[int, int, FsError]]:
