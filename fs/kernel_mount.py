@@ -132,8 +132,8 @@ def refuse_stacking(mnt: Path) -> None:
     killed; every access gives ENOTCONN): the message says so and how to clear it. The
     mount is never taken away here: whether a daemon still serves it is only known for
     sure to that daemon (a read-only DATA's daemon may hold no lock file at all)."""
-    found = mountinfo.mount_at(str(mnt))
-    if found is None or found.fstype != mountinfo.FSTYPE:
+    found = mountinfo.tierfs_mounted_on(str(mnt))
+    if found is None:
         return
     lock = MountLock(Path(found.data_dir))
     dead = lock.path.exists() and lock.holder() is None
@@ -189,17 +189,12 @@ def detach_if_aborted(mountpoint: str, device: str | None, aborted: bool) -> Non
     log.warning("the kernel aborted the FUSE connection of %s", mountpoint)
     if not still_mounted:
         return
-    problem = _detach(mountpoint)
-    if problem:
-        log.warning("could not detach the dead mount on %s: %s", mountpoint, problem)
-
-
-def _detach(mountpoint: str) -> str | None:
-    """Unmount lazily, as ``fusermount3 -u -z`` does; None, or why it failed."""
     try:
         result = subprocess.run(["fusermount3", "-u", "-z", mountpoint], capture_output=True,
                                 text=True, check=False)
+        problem = ((result.stderr.strip() or f"exit code {result.returncode}")
+                   if result.returncode else None)
     except OSError as exc:
-        return str(exc)
-    return (result.stderr.strip() or f"exit code {result.returncode}") if result.returncode \
-        else None
+        problem = str(exc)
+    if problem:
+        log.warning("could not detach the dead mount on %s: %s", mountpoint, problem)

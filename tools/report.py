@@ -58,7 +58,8 @@ from tierfs.fs.resolver import Resolver
 from tierfs.fs.schema import BlockRecord, Inode, u64
 from tierfs.satisfier.summary import Combination, StoragePolicySummary, tables
 from tierfs.tools.mkfs import NAMESPACE_DIR, is_filesystem
-from tierfs.tools.mountinfo import FSTYPE, MountEntry, mount_at, mount_of_device, stat_target
+from tierfs.tools.mountinfo import (FSTYPE, MountEntry, mount_of_device, stat_target,
+                                    tierfs_mounted_on)
 from tierfs.tools import progress as _progress
 from tierfs.tools.progress import Silent
 
@@ -147,8 +148,8 @@ def find_data_dir(target: str) -> tuple[Path, str | None]:
     """(data directory, mount point or None) of a data directory or a tierfs mount point.
     A directory inside a mount is refused rather than taken for its whole filesystem: the
     report would look like one of that directory."""
-    entry = mount_at(target)
-    if entry is not None and entry.fstype == FSTYPE:
+    entry = tierfs_mounted_on(target)
+    if entry is not None:
         return _mounted_data(target, entry), entry.mount_point
     st = stat_target(target, ReportError, f"{target} does not exist")
     if stat.S_ISDIR(st.st_mode) and is_filesystem(Path(target)):
