@@ -15,8 +15,8 @@ Durability rules (DESIGN.md sections 3-4):
   written, and before the namespace records it (so a crash in between leaves the replica
   newer than the namespace, which recovery accepts);
 - lengths, sizes and times of open files are kept in memory and persisted on fsync,
-  release, when a block fills and by the one-second tick (close() sends no FLUSH: see
-  ``Operations.flush``);
+  release, when a block fills and by the one-second tick (not at FLUSH, which close()
+  sends: see ``Operations.flush``);
 - dropped replicas go to the namespace trash in the dropping transaction. Replicas dropped
   from a block that lives on are deleted right after the commit; whole blocks dropped by a
   truncate or an unlink only once that commit is on disk (the next namespace sync, within

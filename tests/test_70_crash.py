@@ -13,6 +13,7 @@ sets the number of kills of the main test (the others scale with it); ``TIERFS_C
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -505,6 +506,37 @@ def test_kill_during_creates_unlinks_and_renames(make_mount, tmp_path):
             f"{len(block_files(mount.data))} replica files for {nonempty} non-empty files")
         assert len(meta_files(mount.data)) == nonempty
         mount.start()
+
+
+# --- close after the daemon died ----------------------------------------------------------
+
+
+def test_a_close_after_the_daemon_died_fails(make_mount):
+    """close() never reports success for data the daemon did not get. With writeback
+    caching, write() only fills the kernel's page cache; once the daemon is gone the
+    kernel drops those pages at close(). Were FLUSH answered ENOSYS, the kernel would
+    stop sending it after the first close and this close() would return 0, for a file
+    that reads back empty after the remount (seen once in the create test above)."""
+    mount = make_mount()
+    top = os.open(mount.mountpoint, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        warm = os.open("warm", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=top)
+        os.write(warm, b"w")
+        os.close(warm)  # the first close: an unanswered FLUSH would end FLUSH here
+        fd = os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=top)
+        assert os.write(fd, b"x" * 3000) == 3000
+        mount.kill()
+        with pytest.raises(OSError) as closing:
+            os.close(fd)
+        assert closing.value.errno == errno.ENOTCONN
+    finally:
+        os.close(top)
+    mount.start()
+    assert (mount.mountpoint / "warm").read_bytes() == b"w"
+    # created, its data never acknowledged: empty, unless the kernel happened to write
+    # the pages back before the kill
+    assert (mount.mountpoint / "f").read_bytes() in (b"", b"x" * 3000)
+    stop_and_check(mount)
 
 
 # --- open but unlinked ----------------------------------------------------------------------
