@@ -524,9 +524,10 @@ class BlockIO:
             return
         for index, volume_id, planned_end in short:
             if index in of.blocks:
-                reason = f"replica shorter than its block's {of.blocks[index].length} bytes"
-                log.error("read of block %d of inode %d from volume %d failed: %s", index,
-                          of.ino, volume_id, reason)
+                rec = of.blocks[index]
+                reason = f"replica shorter than its block's {rec.length} bytes"
+                log.error("read of block %d (index %d) of inode %d from volume %d failed: %s",
+                          rec.block_id, index, of.ino, volume_id, reason)
                 self.on_bad_replica(of.ino, index, volume_id, reason)
 
     def _plan_read(self, of: OpenFile, offset: int, size: int) -> list:

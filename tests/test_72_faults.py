@@ -907,6 +907,8 @@ def test_B6_short_replica_data_file_is_never_served_as_zeros(make_fs):
     (b0, _) = wait_for_full_replication(mount, "/f", content, 2, 2)
     os.truncate(data_file(min(b0["volumes"]), b0["id"]), 2 * CHUNK)
     assert direct_read(path, 4 * CHUNK, 4 * CHUNK) == content[4 * CHUNK:8 * CHUNK]
+    logged = error_lines(mount)
+    assert logged and all(f"block {b0['id']} (index 0)" in line for line in logged), logged
 
 
 def _kill_with_synced_file(mount):
