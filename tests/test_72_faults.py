@@ -339,7 +339,10 @@ def test_all_replicas_bad_gives_eio_and_keeps_them(make_fs, tmp_path):
     assert direct_read(path, 0, bad_chunk) == content[:bad_chunk]
     assert direct_read(path, bad_chunk + CHUNK, 2 * BLOCK - 3 * CHUNK) == \
         content[bad_chunk + CHUNK:]
-    # The monitor must not delete the last replicas: give it several rounds.
+    # The monitor must not delete the last replicas: once it has judged the block (a busy
+    # machine may take it a while), give it several more rounds.
+    assert wait_for(lambda: any("no good replica" in line for line in error_lines(mount)),
+                    timeout=30), mount.log_text()
     time.sleep(2.0)
     for vol in victim["volumes"]:
         assert data_file(vol, victim["id"]).exists()
