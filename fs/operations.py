@@ -87,12 +87,12 @@ def handler(fn):
 class Handle:
     of: OpenFile
     writer: bool
-    # Served uncached (``direct_io``): write-only while space is low (WRITEBACK_HEADROOM).
-    # The kernel updates a file's mtime and ctime itself on a write() into its page cache,
-    # and on an O_DIRECT write through a cached handle, and sends them with SETATTR; a
-    # write through an uncached handle it leaves to this daemon. (O_DIRECT opens are not
-    # served uncached: the kernel's own O_DIRECT path writes back and drops the cached
-    # pages of the range, and unlike ``direct_io`` lets the file be mapped shared.)
+    # Served uncached (``direct_io``): opened O_DIRECT, or write-only while space is low
+    # (WRITEBACK_HEADROOM). The kernel updates a file's mtime and ctime itself on a write()
+    # into its page cache and sends them with SETATTR; a direct write it leaves to this
+    # daemon. (O_DIRECT is served here, not by the kernel's own O_DIRECT path on a cached
+    # handle: that path would let the file be mapped shared, but it sends a write as
+    # asynchronous pieces and turns a short one, as at a full volume, into EIO.)
     direct: bool = False
     # A writer's, served uncached: the kernel leaves clearing set-id bits and file
     # capabilities for its writes to this daemon (``_before_uncached_write``).
@@ -433,8 +433,9 @@ class Operations(pyfuse3.Operations):
     def _open(self, ino: int, flags: int, ctx,
               created: Inode | None = None) -> pyfuse3.FileInfo:
         writer = (flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
-        direct = ((flags & os.O_ACCMODE) == os.O_WRONLY
-                  and not self.blockio.placer.has_room(ino, WRITEBACK_HEADROOM))
+        direct = bool(flags & os.O_DIRECT) or (
+            (flags & os.O_ACCMODE) == os.O_WRONLY
+            and not self.blockio.placer.has_room(ino, WRITEBACK_HEADROOM))
         privileges = caller.privileges(ctx) if writer and direct else None
         of = self.blockio.acquire(ino, writer=writer, created=created)
         fh = self._fh()

@@ -1072,6 +1072,35 @@ def test_a_full_volume_fails_the_write_itself_not_only_the_close(tmp_path, make_
     assert (mnt / "mapped").read_bytes()[:5] == b"share"
 
 
+def test_an_o_direct_write_the_volume_can_take_only_in_part_is_short(tmp_path, make_mount):
+    """A write that fills the last block and needs a new one on a full volume writes what
+    fits and returns that count (POSIX); the next write gets ENOSPC. Through the kernel's
+    own O_DIRECT path (tried instead of ``direct_io``) the same write failed with EIO after
+    changing the data."""
+    mount = make_mount("--volume", f"DISK:{tmp_path}/small:8M", "--block-size", "1M")
+    path = mount.mountpoint / "f"
+    page = mmap.PAGESIZE
+    r = run(["dd", "if=/dev/zero", f"of={path}", "bs=1M"])
+    assert r.returncode == 1 and "No space left on device" in r.stderr, r.stderr
+    stored = path.stat().st_size
+    assert stored and stored % (1 << 20) == 0
+    buf = mmap.mmap(-1, 2 * page)
+    buf[:] = b"X" * (2 * page)
+    fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    try:
+        assert os.pwritev(fd, [buf], stored - page) == page
+        with pytest.raises(OSError) as caught:
+            os.pwritev(fd, [buf], stored)
+        assert caught.value.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+        buf.close()
+    assert path.stat().st_size == stored
+    with open(path, "rb") as f:
+        f.seek(stored - 2 * page)
+        assert f.read() == bytes(page) + b"X" * page
+
+
 def _wait_for(condition, what: str, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

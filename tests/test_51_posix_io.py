@@ -297,31 +297,6 @@ def test_o_direct_aligned_io_is_coherent_with_buffered_io(small):
     assert os.stat(path).st_size == len(model)
 
 
-def test_a_file_opened_o_direct_can_be_mapped_shared(small):
-    """As on ext4 (xfstests generic/263, ``fsx -Z`` with mapped reads and writes): an
-    O_DIRECT descriptor maps MAP_SHARED, and what the mapping stores, once msync'd, is what
-    O_DIRECT reads and other readers see. An O_DIRECT open used to be served with FUSE's
-    ``direct_io``, which made mmap fail with ENODEV."""
-    path = small.mountpoint / "mapped-direct"
-    first = pattern(5, 3 * PAGE)
-    write_file(path, first)
-    fd = os.open(path, os.O_RDWR | os.O_DIRECT)
-    try:
-        with mmap.mmap(fd, 3 * PAGE, mmap.MAP_SHARED) as m:
-            assert m[:] == first
-            m[PAGE:PAGE + 6] = b"mapped"
-            m.flush()
-        back = mmap.mmap(-1, 3 * PAGE)
-        assert os.preadv(fd, [back], 0) == 3 * PAGE
-        model = bytearray(first)
-        model[PAGE:PAGE + 6] = b"mapped"
-        assert back[:] == model
-        back.close()
-    finally:
-        os.close(fd)
-    assert read_file(path) == model
-
-
 # --- unlinked but open -------------------------------------------------------------------------
 
 
