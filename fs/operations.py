@@ -560,9 +560,9 @@ class Operations(pyfuse3.Operations):
 
         Answering ENOSYS would save this request per close(), but the kernel then stops
         sending FLUSH, and a close() after the daemon died returns 0: the pages it could
-        not write back are dropped without an error, so ``cp`` reports success for a file
-        that reads back empty after the remount. An answered FLUSH fails on the dead
-        connection (ENOTCONN) instead."""
+        not write back are dropped without an error, so a program that wrote a file and
+        closed it is told all went well, and the file reads back empty after the remount.
+        An answered FLUSH fails on the dead connection (ENOTCONN) instead."""
 
     @handler
     async def release(self, fh):
