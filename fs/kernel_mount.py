@@ -175,6 +175,23 @@ def tune_readahead(mountpoint: str, kb: int = READ_AHEAD_KB) -> None:
         log.info("readahead left at the kernel default: %s", exc)
 
 
+FUSECTL = "/sys/fs/fuse/connections"
+
+
+def abort_connection(device: str | None) -> str | None:
+    """Abort the FUSE connection of the mount on ``device`` ("major:minor") through the
+    kernel's FUSE control filesystem, as an admin would (README); None when done, else
+    why not (fusectl not mounted, not root)."""
+    if device is None:
+        return "the mount is not in the mount table"
+    try:
+        with open(f"{FUSECTL}/{device.split(':')[1]}/abort", "w") as f:
+            f.write("1")
+    except OSError as exc:
+        return f"{exc.strerror or exc} ({FUSECTL} must be a mounted fusectl)"
+    return None
+
+
 def detach_if_aborted(mountpoint: str, device: str | None, aborted: bool) -> None:
     """After the session ended: a mount still in the table is one whose connection the
     kernel aborted (``/sys/fs/fuse/connections/N/abort``, or the kernel's own abort).

@@ -19,7 +19,7 @@ from tierfs.backends.volume import syncfs
 from tierfs.fs import fuseloop
 from tierfs.fs.blockio import UNSYNCED_FILES_MAX, BlockIO
 from tierfs.fs.errors import FsError
-from tierfs.fs.kernel_mount import tune_readahead
+from tierfs.fs.kernel_mount import abort_connection, mount_device, tune_readahead
 from tierfs.fs.namespace import Namespace
 from tierfs.fs.operations import Operations
 
@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 TICK_SECONDS = 1.0
 SIGNAL_FLUSH_SECONDS = 30.0
 WRITERS_POLL_SECONDS = 0.2
+INVALIDATIONS_GRACE_SECONDS = 2.0
 
 
 async def serve(ops: Operations, blockio: BlockIO, ns: Namespace, mountpoint: str, *,
@@ -48,7 +49,27 @@ async def serve(ops: Operations, blockio: BlockIO, ns: Namespace, mountpoint: st
             nursery.start_soon(ops.replication.run)
         fuseloop.install()
         await pyfuse3.main()
+        await _end_invalidations(ops, mountpoint)
         nursery.cancel_scope.cancel()
+
+
+async def _end_invalidations(ops: Operations, mountpoint: str) -> None:
+    """The session has ended (a signal stopped it with files open for writing): a kernel
+    cache invalidation still under way waits in its worker thread for writebacks that
+    nothing will answer any more (a writer meeting a full volume), and the daemon could
+    not exit, not even on SIGKILL, until its connection was aborted. Give them a moment,
+    then abort the connection through fusectl, which fails those writebacks."""
+    with trio.move_on_after(INVALIDATIONS_GRACE_SECONDS):
+        while ops.invalidating:
+            await trio.sleep(0.05)
+    if not ops.invalidating:
+        return
+    log.warning("%d kernel cache invalidation(s) wait for writebacks nothing will answer: "
+                "aborting the FUSE connection of %s", len(ops.invalidating), mountpoint)
+    problem = abort_connection(mount_device(mountpoint))
+    if problem:
+        log.warning("could not abort the FUSE connection of %s: %s; abort it by hand "
+                    "(README, fusectl)", mountpoint, problem)
 
 
 async def _tune_after_init(ops: Operations, mountpoint: str) -> None:

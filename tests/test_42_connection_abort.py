@@ -30,7 +30,8 @@ from pathlib import Path
 import pytest
 
 from tierfs.tools import mountinfo
-from tests.conftest import Mount, assert_remount_is_clean, evict, lock_is_free, require_tool
+from tests.conftest import (Mount, assert_fsck_clean, assert_remount_is_clean, evict,
+                            lock_is_free, require_tool, run_tool)
 
 CONNECTIONS = Path("/sys/fs/fuse/connections")
 WARNING = "the kernel aborted the FUSE connection of {}"
@@ -185,3 +186,59 @@ def test_a_read_waiting_for_the_daemon_at_the_abort_fails_instead_of_hanging(mou
         mount.proc.send_signal(signal.SIGCONT)
     assert_ends_cleanly(mount)
     assert_remount_is_clean(mount.data, mount.mountpoint, {"f": payload})
+
+
+# writes 1 MiB after 1 MiB into the kernel's cache for ever (a full volume fails the
+# writebacks, not write())
+FILLER = """import os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+chunk, off = b"z" * (1 << 20), 0
+print("open", flush=True)
+while True:
+    off += os.pwrite(fd, chunk, off)
+"""
+
+
+def test_a_forced_stop_while_writebacks_fail_does_not_hang(fusectl, tmp_path):
+    """A writer filling a volume through the cache makes its writebacks fail, and each
+    failure has the kernel's cache of the file invalidated, which waits for writeback. A
+    second SIGTERM stops the daemon with the writer still writing: once the session has
+    ended nothing answers those writebacks, and the daemon used to wait for that
+    invalidation forever. It now gives it a moment, then aborts its own connection."""
+    data = tmp_path / "data"
+    run_tool("mkfs", str(data), "--volume", f"DISK:{tmp_path}/small:16M", "--block-size", "1M")
+    mount = Mount(data, tmp_path / "mnt").start()
+    writer = subprocess.Popen([sys.executable, "-c", FILLER, str(mount.mountpoint / "f")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout.readline() == "open\n"
+        deadline = time.monotonic() + 30
+        while "write: " not in mount.log_text():  # a writeback failed: the volume is full
+            assert time.monotonic() < deadline, mount.log_text()
+            time.sleep(0.05)
+        mount.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while "open for writing" not in mount.log_text():
+            assert time.monotonic() < deadline, mount.log_text()
+            time.sleep(0.05)
+        mount.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = mount.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # not even SIGKILL would end it: abort
+            (connection(mount.mountpoint) / "abort").write_text("1")
+            mount.proc.wait(timeout=30)
+            pytest.fail(f"daemon still running 60 s after the second signal:\n"
+                        f"{mount.log_text()}")
+        finally:
+            mount.proc = None
+    finally:  # (it writes on into the cache of the dead mount, as after any abort)
+        writer.kill()
+        writer.wait()
+        if mount_entry(mount.mountpoint):
+            subprocess.run(["umount", "-l", str(mount.mountpoint)], check=False)
+    text = mount.log_text()
+    assert rc == 0, text
+    assert "aborting the FUSE connection" in text and f"unmounted {mount.mountpoint}" in text
+    assert not mount.errors_logged(), text
+    assert lock_is_free(data) and mount_entry(mount.mountpoint) is None
+    assert_fsck_clean(data)
