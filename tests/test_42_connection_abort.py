@@ -31,7 +31,7 @@ import pytest
 
 from tierfs.tools import mountinfo
 from tests.conftest import (Mount, assert_fsck_clean, assert_remount_is_clean, evict,
-                            lock_is_free, require_tool, run_tool)
+                            lock_is_free, require_tool, run_tool, wait_for)
 
 CONNECTIONS = Path("/sys/fs/fuse/connections")
 WARNING = "the kernel aborted the FUSE connection of {}"
@@ -212,15 +212,10 @@ def test_a_forced_stop_while_writebacks_fail_does_not_hang(fusectl, tmp_path):
                               stdout=subprocess.PIPE, text=True)
     try:
         assert writer.stdout.readline() == "open\n"
-        deadline = time.monotonic() + 30
-        while "write: " not in mount.log_text():  # a writeback failed: the volume is full
-            assert time.monotonic() < deadline, mount.log_text()
-            time.sleep(0.05)
+        # a writeback failed: the volume is full
+        assert wait_for(lambda: "write: " in mount.log_text(), timeout=30), mount.log_text()
         mount.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while "open for writing" not in mount.log_text():
-            assert time.monotonic() < deadline, mount.log_text()
-            time.sleep(0.05)
+        assert wait_for(lambda: "open for writing" in mount.log_text()), mount.log_text()
         mount.proc.send_signal(signal.SIGTERM)
         try:
             rc = mount.proc.wait(timeout=60)
