@@ -131,6 +131,9 @@ class Namespace:
         # Mutations committed through this object. A mount is the only writer (the mount
         # lock keeps repairs out), so an unchanged count means an unchanged namespace.
         self.commits = 0
+        # The count a namespace sync last made durable (``sync``): equal to ``commits``,
+        # every committed mutation is on disk.
+        self.synced_commits = 0
         self.last_inherited_changed: list[int] = []  # of the last mutation (``_Write``)
         # Allocated by the mount (``refill``); tools that write use what a mount left.
         self.space_reserve = None if readonly else SpaceReserve(path)
@@ -223,10 +226,19 @@ class Namespace:
         read-only namespace has none."""
         if self.readonly:
             return
+        commits = self.commits  # committed before the sync starts: made durable by it
         try:
             self.env.sync(True)
         except lmdb.Error as exc:
             raise lmdb_failure(self.path, exc) from None
+        self.synced_commits = commits
+
+    @property
+    def all_synced(self) -> bool:
+        """Whether every committed mutation is durable. Syncs run in worker threads while
+        the mount commits; one that finishes after a later one can set ``synced_commits``
+        back, which only makes this False too soon."""
+        return self.synced_commits == self.commits
 
     def _load_config(self) -> FsConfig:
         with self.env.begin() as txn:
@@ -568,6 +580,23 @@ class Namespace:
     def get_blocks(self, ino: int) -> dict[int, BlockRecord]:
         with self.env.begin() as txn:
             return dict(self._blocks(txn, ino))
+
+    def records_file(self, ino: int, size: int, blocks: dict[int, BlockRecord]) -> bool:
+        """Whether the namespace holds this size and these blocks (stamp, length, volumes)
+        for the file, with no truncate waiting to be completed in its lease: what an
+        ``fdatasync`` needs recorded for the data to be found again."""
+        with self.env.begin() as txn:
+            raw = txn.get(u64(ino), db=self.db["inodes"])
+            if raw is None or Inode.unpack(ino, raw).size != size:
+                return False
+            lease = txn.get(u64(ino), db=self.db["leases"])
+            if lease is not None and schema.lease_truncate_to(bytes(lease)) is not None:
+                return False
+            for index, rec in blocks.items():
+                stored = txn.get(schema.block_key(ino, index), db=self.db["blocks"])
+                if stored is None or BlockRecord.unpack(bytes(stored)) != rec:
+                    return False
+        return True
 
     def parent_chain(self, ino: int) -> list[int]:
         """The inode and its ancestors up to the root (inherited xattrs, rename checks)."""

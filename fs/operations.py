@@ -586,7 +586,7 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def fsync(self, fh, datasync):
-        await self.blockio.fsync(self.handles[fh].of)
+        await self.blockio.fsync(self.handles[fh].of, datasync=bool(datasync))
 
     # --- directories -----------------------------------------------------------------------
 

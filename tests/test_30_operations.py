@@ -1129,6 +1129,70 @@ def test_fsync_persists_size_and_mtime(fs):
     fs.release(fh)
 
 
+def _count_syncs(fs, monkeypatch) -> dict[str, int]:
+    """How often the namespace and the open replicas are synced from here on."""
+    counts = {"namespace": 0, "replica": 0}
+    real_ns_sync, real_replica_fsync = fs.ns.sync, Replica.fsync
+
+    def ns_sync():
+        counts["namespace"] += 1
+        real_ns_sync()
+
+    def replica_fsync(replica):
+        counts["replica"] += 1
+        real_replica_fsync(replica)
+
+    monkeypatch.setattr(fs.ns, "sync", ns_sync)
+    monkeypatch.setattr(Replica, "fsync", replica_fsync)
+    return counts
+
+
+def test_fdatasync_of_an_overwrite_syncs_only_the_replicas(fs, monkeypatch):
+    """fdatasync needs durable what finding the data again takes: the replicas, and the
+    size and blocks in the namespace. When the namespace already holds those durably,
+    only the replicas are synced, and the new times wait for the tick."""
+    fh, f = fs.create(b"f")
+    fs.write(fh, 0, os.urandom(BS + 100))
+    fs.call(fs.ops.fsync, fh, False)
+    counts = _count_syncs(fs, monkeypatch)
+    commits = fs.ns.commits
+    fs.write(fh, 10, b"inside the first block")
+    fs.call(fs.ops.fsync, fh, True)
+    assert counts == {"namespace": 0, "replica": 1}
+    assert fs.ns.commits == commits  # nothing persisted: the times wait for the tick
+    fs.write(fh, BS + 100, b"an append")  # a new size: the namespace must have it
+    fs.call(fs.ops.fsync, fh, True)
+    assert counts == {"namespace": 1, "replica": 2}
+    assert fs.ns.get_inode(f).size == BS + 109
+    other, _ = fs.create(b"other")  # a commit not yet synced, of another file
+    fs.write(fh, 0, b"x")
+    fs.call(fs.ops.fsync, fh, True)
+    assert counts == {"namespace": 2, "replica": 3}
+    fs.write(fh, 0, b"y")
+    commits = fs.ns.commits
+    fs.call(fs.ops.fsync, fh, False)  # fsync: the times too
+    assert counts == {"namespace": 3, "replica": 4} and fs.ns.commits == commits + 1
+    fs.release(other)
+    fs.release(fh)
+
+
+def test_fdatasync_after_a_new_generation_stamp_syncs_the_namespace(fs, monkeypatch):
+    """The first write of a later session stamps the block anew, in the namespace too:
+    that record is what finds the replica again, so fdatasync must sync it."""
+    fh, f = fs.create(b"f")
+    fs.write(fh, 0, os.urandom(1000))
+    fs.release(fh)
+    fs.call(fs.blockio.sync_namespace)
+    gs = fs.ns.get_blocks(f)[0].gs
+    counts = _count_syncs(fs, monkeypatch)
+    fh = fs.open(f, os.O_RDWR)
+    fs.write(fh, 0, b"new")
+    fs.call(fs.ops.fsync, fh, True)
+    assert counts == {"namespace": 1, "replica": 1}
+    assert fs.ns.get_blocks(f)[0].gs > gs and fs.ns.all_synced
+    fs.release(fh)
+
+
 def test_setattr_mode_owner_and_times(fs):
     fh, f = fs.create(b"f")
     attr = pyfuse3.EntryAttributes()

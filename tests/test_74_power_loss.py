@@ -81,6 +81,24 @@ def test_replica_restamped_by_a_write_session_whose_records_were_lost_is_adopted
     assert fs.getattr(ino).st_size == len(payload)
 
 
+def test_what_fdatasync_acknowledged_survives_a_power_loss(fs, disk):
+    """An fdatasync that found the file's size and blocks already synced syncs only the
+    replicas; one after an append, a new block or a new generation stamp syncs the
+    namespace too (a new block's record lost would leave its replica an orphan). Either
+    way the acknowledged bytes and size are there after the power loss."""
+    payload = bytearray(os.urandom(BS + 5000))
+    ino = write_file(fs, b"f", bytes(payload))
+    fh = fs.open(ino, os.O_RDWR)
+    for off, data in [(100, b"new GS"), (BS + 5000, os.urandom(BS)),  # into a new block
+                      (7, b"in place"), (2 * BS + 20, b"in place, third block")]:
+        fs.write(fh, off, data)
+        fs.call(fs.ops.fsync, fh, True)
+        payload[off:off + len(data)] = data
+    power_loss(fs, disk)
+    assert read_file(fs, ino, 3 * BS) == payload
+    assert fs.getattr(ino).st_size == len(payload)
+
+
 @pytest.mark.parametrize("drop", ["truncate to a block boundary", "truncate to 0", "unlink"])
 def test_blocks_dropped_by_a_change_a_power_loss_undid_are_still_there(fs, disk, drop):
     payload = os.urandom(2 * BS + 777)
