@@ -279,10 +279,11 @@ class BlockIO:
         other metadata does, and a namespace sync (an LMDB commit and fsync) is saved.
 
         A replica that cannot be synced (a failing disk, a file deleted behind the daemon's
-        back) is reported bad, as one a read meets, and does not fail the fsync while its
-        block has another replica that synced: as an HDFS write pipeline goes on without a
-        failed DataNode. A block none of whose replicas synced fails the fsync and stays
-        unsynced, so that a later fsync tries it again instead of calling it durable."""
+        back) does not fail the fsync while its block has another replica that synced: it
+        leaves the block, whose other replicas get a new stamp, as an HDFS write pipeline
+        goes on without a failed DataNode, and the monitor makes a new one. A block none of
+        whose replicas synced fails the fsync and stays unsynced, so that a later fsync
+        tries it again instead of calling it durable."""
         async with of.lock:
             replicas_only = datasync and self._namespace_has_durably(of)
             if not replicas_only:
@@ -306,7 +307,11 @@ class BlockIO:
                 raise
             if failed:
                 tried = Counter(i for i, _ in replicas) + Counter(i for i, *_ in closed)
-                self._after_failed_fsyncs(of, tried, failed)
+                restamped, error = self._after_failed_fsyncs(of, tried, failed)
+                if restamped:
+                    await self.sync_namespace()  # the new stamps, before anything returns
+                if error is not None:
+                    raise error
 
     def _namespace_has_durably(self, of: OpenFile) -> bool:
         """Whether the namespace holds the file's size and blocks as they are in memory,
@@ -335,22 +340,57 @@ class BlockIO:
         return failed
 
     def _after_failed_fsyncs(self, of: OpenFile, tried: Counter,
-                             failed: list[tuple[int, int, FsError]]) -> None:
-        """Replicas that failed to sync go to the monitor; blocks with none synced stay
-        unsynced and fail the fsync (ENOSPC if that is what every one of them met)."""
+                             failed: list[tuple[int, int, FsError]]
+                             ) -> tuple[bool, FsError | None]:
+        """A block some of whose replicas synced goes on without the others, as a write
+        pipeline does: they may hold an older version at the same stamp, which a power
+        loss would leave looking intact beside the synced one. A block none of whose
+        replicas synced stays unsynced, its replicas go to the monitor, and the fsync
+        fails (ENOSPC if that is what every one of them met). Returns whether blocks were
+        re-stamped (the namespace must be synced before the fsync returns) and the error
+        to raise, if any."""
+        failed_volumes: dict[int, set[int]] = {}
         for index, volume_id, exc in failed:
             log.error("fsync of inode %d, block index %d: replica on volume %d failed: %s",
                       of.ino, index, volume_id, exc)
-            self.on_bad_replica(of.ino, index, volume_id, str(exc))
-        failures = Counter(index for index, _, _ in failed)
-        lost = sorted(index for index, count in failures.items() if count == tried[index])
+            failed_volumes.setdefault(index, set()).add(volume_id)
+        lost = sorted(index for index, volumes in failed_volumes.items()
+                      if len(volumes) == tried[index])
+        restamped = False
+        for index, volumes in failed_volumes.items():
+            if index not in lost and index in of.blocks:
+                try:
+                    restamped |= self._drop_unsynced(of, index, volumes)
+                except BaseException:
+                    of.unsynced.add(index)  # the failed replica is still in: try again
+                    raise
         if not lost:
-            return
+            return restamped, None
+        for index, volume_id, exc in failed:
+            if index in lost:
+                self.on_bad_replica(of.ino, index, volume_id, str(exc))
         of.unsynced.update(lost)
         errors = [exc for index, _, exc in failed if index in lost]
         code = errno.ENOSPC if all(e.errno == errno.ENOSPC for e in errors) else errno.EIO
-        raise FsError(code, f"no replica of block(s) {lost} of inode {of.ino} could be "
-                            f"synced: {errors[0]}")
+        return restamped, FsError(code, f"no replica of block(s) {lost} of inode {of.ino} "
+                                        f"could be synced: {errors[0]}")
+
+    def _drop_unsynced(self, of: OpenFile, index: int, volume_ids: set[int]) -> bool:
+        """Take the replicas on ``volume_ids``, which failed to sync, out of the block:
+        the others get a new generation stamp (opened for it if they were closed), so
+        the failed ones are stale from now on. Returns whether the block changed."""
+        gs = of.blocks[index].gs
+        replicas = self._replicas(of, index, writable=True)
+        volume_ids = volume_ids & set(of.blocks[index].volumes)  # opening may drop some
+        if volume_ids:
+            bad = [r for r in replicas if r.volume.id in volume_ids]
+            good = [r for r in replicas if r.volume.id not in volume_ids]
+            if bad:
+                of.replicas[index] = good
+                self._count_open(of, index)
+                self._retire(of, bad)
+            self._drop_from_pipeline(of, index, good, sorted(volume_ids))
+        return of.blocks[index].gs != gs
 
     def closed_unsynced_files(self) -> int:
         """Files no longer open whose unsynced blocks are remembered (every open file has

@@ -25,12 +25,13 @@ import os
 
 import pytest
 
-from tests.test_30_operations import BS, FS, fs  # noqa: F401 (fs is the fixture)
+from tests.test_30_operations import BS, FS, fs, replicated_fs  # noqa: F401 (fixtures)
+from tierfs.backends.replica import Replica
+from tierfs.fs.errors import FsError
 from tierfs.fs.schema import ROOT_INO
 
 
-@pytest.fixture
-def disk(fs, monkeypatch) -> dict:
+def namespace_disk(fs: FS, monkeypatch) -> dict:
     """What the namespace's disk holds: the namespace file as of the last sync, taken from
     now on (every later sync of the daemon's replaces it)."""
     image = {}
@@ -42,6 +43,11 @@ def disk(fs, monkeypatch) -> dict:
 
     monkeypatch.setattr(fs.ns, "sync", sync)
     return image
+
+
+@pytest.fixture
+def disk(fs, monkeypatch) -> dict:
+    return namespace_disk(fs, monkeypatch)
 
 
 def power_loss(fs: FS, disk: dict) -> None:
@@ -97,6 +103,47 @@ def test_what_fdatasync_acknowledged_survives_a_power_loss(fs, disk):
     power_loss(fs, disk)
     assert read_file(fs, ino, 3 * BS) == payload
     assert fs.getattr(ino).st_size == len(payload)
+
+
+@pytest.mark.parametrize("datasync", [False, True], ids=["fsync", "fdatasync"])
+def test_a_replica_that_failed_to_sync_is_not_served_after_a_power_loss(
+        replicated_fs, monkeypatch, caplog, datasync):
+    """An fsync succeeds while a block has a replica that synced. The one that did not may
+    come back from a power loss with an older version, consistent with its checksums and
+    at the same stamp: it must leave the block before the fsync returns (the survivor gets
+    a new stamp), or it is taken for intact and, on the lower volume, read first (before:
+    the acknowledged "B"s read back as "A"s). Found by review."""
+    fs = replicated_fs
+    disk = namespace_disk(fs, monkeypatch)
+    old = os.urandom(BS // 2)
+    ino = write_file(fs, b"f", old)
+    fh = fs.open(ino, os.O_RDWR)
+    fs.write(fh, 0, b"A" * 4096)  # a new write session: a new stamp on both replicas
+    fs.call(fs.ops.fsync, fh, False)
+    d1 = fs.data / "d1"
+    d1_synced = {p: p.read_bytes() for p in d1.rglob("blk_*")}  # the "A" version
+    assert d1_synced
+    fs.write(fh, 0, b"B" * 4096)  # what the next fsync acknowledges
+    real_fsync = Replica.fsync
+
+    def d1_fails(replica):
+        if replica.volume.path.name == "d1":
+            raise FsError(errno.EIO, "injected: d1 lost the write-back")
+        real_fsync(replica)
+
+    monkeypatch.setattr(Replica, "fsync", d1_fails)
+    fs.call(fs.ops.fsync, fh, datasync)  # d2 synced: success
+    monkeypatch.setattr(Replica, "fsync", real_fsync)
+    fs.stack.close()  # the power loss: d1 holds what it last synced, nothing later
+    fs.stack = None
+    (fs.ns.path / "data.mdb").write_bytes(disk["namespace"])
+    for path in d1.rglob("blk_*"):
+        path.unlink()
+    for path, content in d1_synced.items():
+        path.write_bytes(content)
+    fs.start()
+    assert read_file(fs, ino, BS)[:4096] == b"B" * 4096
+    caplog.clear()  # the injected failure's ERRORs
 
 
 @pytest.mark.parametrize("drop", ["truncate to a block boundary", "truncate to 0", "unlink"])
