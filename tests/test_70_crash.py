@@ -293,8 +293,11 @@ def test_kill_during_writes_and_fsyncs(make_mount, tmp_path, mkfs_args):
 
 def test_fdatasync_of_overwrites_and_appends_survives_a_kill(make_mount):
     """An ``fdatasync`` of an overwrite inside a file whose size and blocks the namespace
-    already holds syncs only the replicas (``fs/blockio.py``): what it acknowledged must be
-    there after kill -9 all the same, as must an append's new size."""
+    already holds syncs only the replicas (``fs/blockio.py``; most of the 60 here do): what
+    it acknowledged must be there after kill -9 and lease recovery all the same, as must an
+    append's new size. A kill keeps every namespace commit (they are in the page cache),
+    so the conditions for skipping the namespace sync are guarded by the power-loss test
+    (``tests/test_74_power_loss.py``)."""
     mount = make_mount(*SMALL_BLOCKS)
     path = mount.mountpoint / "db"
     rng = random.Random(SEED)
