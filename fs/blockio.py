@@ -356,20 +356,23 @@ class BlockIO:
             failed_volumes.setdefault(index, set()).add(volume_id)
         lost = sorted(index for index, volumes in failed_volumes.items()
                       if len(volumes) == tried[index])
+        of.unsynced.update(lost)
         restamped = False
-        for index, volumes in failed_volumes.items():
-            if index not in lost and index in of.blocks:
-                try:
-                    restamped |= self._drop_unsynced(of, index, volumes)
-                except BaseException:
-                    of.unsynced.add(index)  # the failed replica is still in: try again
-                    raise
+        partly = [i for i in failed_volumes if i not in lost and i in of.blocks]
+        for n, index in enumerate(partly):
+            try:
+                restamped |= self._drop_unsynced(of, index, failed_volumes[index])
+            except BaseException:
+                # The failed replicas are still in these blocks: the next fsync syncs
+                # every recorded replica again (by name) and drops the failing ones.
+                of.unsynced.update(partly[n:])
+                self.retire_replicas(of, [index])
+                raise
         if not lost:
             return restamped, None
         for index, volume_id, exc in failed:
             if index in lost:
                 self.on_bad_replica(of.ino, index, volume_id, str(exc))
-        of.unsynced.update(lost)
         errors = [exc for index, _, exc in failed if index in lost]
         code = errno.ENOSPC if all(e.errno == errno.ENOSPC for e in errors) else errno.EIO
         return restamped, FsError(code, f"no replica of block(s) {lost} of inode {of.ino} "
@@ -390,6 +393,11 @@ class BlockIO:
                 self._count_open(of, index)
                 self._retire(of, bad)
             self._drop_from_pipeline(of, index, good, sorted(volume_ids))
+            if not of.leased:
+                # No write session: the next one must take a stamp of its own, or a copy
+                # the monitor makes meanwhile (it waits only for writers) would be
+                # recorded at this stamp with the data from before that session's writes.
+                of.bumped.discard(index)
         return of.blocks[index].gs != gs
 
     def closed_unsynced_files(self) -> int:

@@ -28,7 +28,7 @@ import pytest
 import trio
 
 from tierfs import mount
-from tierfs.fs import operations, serving
+from tierfs.fs import operations, replication, serving
 from tierfs.backends.replica import Replica
 from tierfs.fs.errors import FsError
 from tierfs.fs.operations import XATTR_INODE_MAX, XATTR_VALUE_MAX
@@ -1438,6 +1438,131 @@ def test_fsync_of_a_block_no_replica_could_sync_gives_enospc_only_when_all_were_
     logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert len(logged) == 4 and all("fsync of inode" in m for m in logged), logged
     caplog.clear()  # the four expected ERRORs, one per replica and fsync
+
+
+def _fsync_fails_on(monkeypatch, fs, ino: int, failing: set[tuple[int, str]]) -> None:
+    """Replica.fsync fails for the replicas of the file's (block index, volume name)
+    pairs in ``failing``."""
+    real = Replica.fsync
+    index_of = {rec.block_id: i for i, rec in fs.blockio.files[ino].blocks.items()}
+
+    def fsync(replica):
+        if (index_of.get(replica.block_id), replica.volume.path.name) in failing:
+            raise FsError(errno.EIO, "injected fsync failure")
+        real(replica)
+
+    monkeypatch.setattr(Replica, "fsync", fsync)
+
+
+def _set_gs_fails(replica, gs):
+    raise FsError(errno.EIO, "injected: no new generation stamp")
+
+
+def test_when_dropping_an_unsynced_replica_fails_every_block_stays_unsynced(
+        replicated_fs, monkeypatch, caplog):
+    """Block 0: d1 fails to sync and is to leave the block, but its survivor takes no new
+    stamp; block 1: neither replica syncs. The fsync fails, and both blocks stay unsynced
+    for the next one (before: block 1 was forgotten, and the next fsync called it
+    durable without syncing it). Found by review."""
+    fs = replicated_fs
+    fh, ino = fs.create(b"f")
+    fs.write(fh, 0, b"x" * (BS + 5000))
+    of = fs.blockio.files[ino]
+    _fsync_fails_on(monkeypatch, fs, ino, {(0, "d1"), (1, "d1"), (1, "d2")})
+    monkeypatch.setattr(Replica, "set_gs", _set_gs_fails)
+    assert fs.errno_of(fs.ops.fsync, fh, False) == errno.EIO
+    assert of.unsynced == {0, 1}
+    monkeypatch.undo()
+    fs.call(fs.ops.fsync, fh, False)
+    assert of.unsynced == set()
+    fs.release(fh)
+    caplog.clear()  # the injected failures' ERRORs
+
+
+def test_a_replica_that_failed_to_sync_is_tried_again_after_its_drop_failed(
+        replicated_fs, monkeypatch, caplog):
+    """d1 fails to sync and d2 syncs but takes no new stamp: the fsync fails. The next
+    fsync, with d1 still failing, must try d1 again and drop it, not succeed on d2 alone
+    with d1 left in the block at the same stamp (before: d1 had been closed and
+    forgotten). Found by review."""
+    fs = replicated_fs
+    fh, ino = fs.create(b"f")
+    fs.write(fh, 0, b"A" * 5000)
+    fs.call(fs.ops.fsync, fh, False)
+    fs.write(fh, 0, b"B" * 5000)
+    _fsync_fails_on(monkeypatch, fs, ino, {(0, "d1")})
+    real_set_gs = Replica.set_gs
+    monkeypatch.setattr(Replica, "set_gs", _set_gs_fails)
+    assert fs.errno_of(fs.ops.fsync, fh, False) == errno.EIO
+    monkeypatch.setattr(Replica, "set_gs", real_set_gs)
+    d1 = next(v for v in fs.blockio.volumes if v.path.name == "d1")
+    monkeypatch.setattr(d1, "sync_replica", lambda block_id, gs: (_ for _ in ()).throw(
+        FsError(errno.EIO, "injected fsync failure")))  # d1 is closed now: synced by name
+    fs.call(fs.ops.fsync, fh, False)
+    assert d1.id not in fs.ns.get_blocks(ino)[0].volumes
+    monkeypatch.undo()
+    fs.release(fh)
+    caplog.clear()
+
+
+@pytest.fixture
+def three_volume_fs(tmp_path, caplog):
+    """Three DISK volumes and replication 2: room for a new copy beside both replicas."""
+    data = tmp_path / "data"
+    make_filesystem(data, [VolumeSpec(StorageType.DISK, data / f"d{i}") for i in (1, 2, 3)],
+                    block_size=BS, bytes_per_checksum=BPC, replication=2)
+    yield from _serve(data, caplog)
+
+
+def test_a_copy_made_after_a_readers_fsync_restamped_the_block_is_not_kept_over_a_write(
+        three_volume_fs, caplog, monkeypatch):
+    """A read-only handle's fsync drops a replica that failed to sync and re-stamps the
+    block, with no write session open. The monitor copies the block meanwhile (it waits
+    only for writers), and a writer that opens during the copy must still take a stamp of
+    its own, so that the copy, made from the data before the write, is stale (before: the
+    copy was recorded at the same stamp, and a read served the old data). Found by
+    review."""
+    fs = three_volume_fs
+    monitor = ReplicationMonitor(fs.ns, fs.blockio.volumes, fs.blockio, fs.ops.resolver)
+    fh, ino = fs.create(b"f")
+    fs.write(fh, 0, b"A" * 5000)
+    fs.release(fh)  # unsynced, remembered: the reader's fsync syncs it by name
+    reader = fs.open(ino, os.O_RDONLY)
+    failing = fs.blockio.volumes.get(fs.blockio.files[ino].blocks[0].volumes[0])
+    monkeypatch.setattr(failing, "sync_replica", lambda block_id, gs: (_ for _ in ()).throw(
+        FsError(errno.EIO, "injected fsync failure")))
+    fs.call(fs.ops.fsync, reader, False)
+    monkeypatch.undo()
+    assert failing.id not in fs.blockio.files[ino].blocks[0].volumes
+    real_copy = replication.copy_replica
+    writer = []
+
+    def copy_then_a_write_lands(source, target, block_id, gs):
+        copied = real_copy(source, target, block_id, gs)
+
+        async def write():
+            fi = await fs.ops.open(ino, os.O_WRONLY, fs.ctx)
+            writer.append(fi.fh)
+            await fs.ops.write(fi.fh, 0, b"B" * 5000)
+
+        trio.from_thread.run(write)
+        return copied
+
+    monkeypatch.setattr(replication, "copy_replica", copy_then_a_write_lands)
+    trio.run(monitor.round)
+    monkeypatch.undo()
+    fs.call(fs.ops.fsync, writer[0], False)
+    fs.release(writer[0])
+    fs.release(reader)
+    rec = fs.ns.get_blocks(ino)[0]
+    for volume_id in rec.volumes:
+        replica = fs.blockio.volumes.get(volume_id).open_replica(rec.block_id, rec.gs,
+                                                                 writable=False)
+        try:
+            assert bytes(replica.read(0, 1)) == b"B", f"volume {volume_id} serves old data"
+        finally:
+            replica.close()
+    caplog.clear()  # the injected failure's ERROR
 
 
 @pytest.mark.parametrize("fixture", ["fs", "replicated_fs"])
