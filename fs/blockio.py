@@ -32,7 +32,7 @@ import resource
 from collections import Counter, OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import trio
 
@@ -526,20 +526,9 @@ class BlockIO:
         """Replicas failed during a write: the survivors get a new GS (so the failed ones
         are stale from now on), the block record loses the failed volumes, and the block
         is handed over for re-replication. No survivor: the write fails with EIO."""
-        rec = of.blocks[index]
-        if not good:
-            raise FsError(errno.EIO, f"every replica of block {rec.block_id} failed")
-        gs = self.ns.reserve("gs")
-        for replica in good:
-            replica.set_gs(gs)
-        self.ns.drop_replicas(of.ino, index, tuple(failed), gs)
-        rec.gs = gs
-        rec.volumes = tuple(v for v in rec.volumes if v not in failed)
-        of.bumped.add(index)
-        self.delete_trash(self.ns.last_trash)
+        self._restamp(of, index, good, leaving=failed)
         log.warning("block %d of inode %d continues on %d replica(s) without volume(s) %s",
-                    rec.block_id, of.ino, len(good), failed)
-        self.on_needs_replication(of.ino, index)
+                    of.blocks[index].block_id, of.ino, len(good), failed)
 
     # --- read ----------------------------------------------------------------------------------
 
@@ -718,8 +707,18 @@ class BlockIO:
 
     def _bump(self, of: OpenFile, index: int, replicas: list[Replica]) -> None:
         """First change of an existing block in this write session: a new generation stamp,
-        on every replica's meta file first, then in the namespace. A replica whose meta
-        file cannot take it leaves the pipeline (the others carry on)."""
+        on every replica's meta file first, then in the namespace."""
+        self._restamp(of, index, replicas)
+
+    def _restamp(self, of: OpenFile, index: int, replicas: list[Replica],
+                 leaving: Sequence[int] = ()) -> None:
+        """A new generation stamp for a block: on the meta files of ``replicas`` first,
+        then in the namespace, in the transaction that also drops the volumes in
+        ``leaving``. A replica whose meta file cannot take it leaves as well, and the
+        others carry on (``replicas`` is updated in place); none left: EIO. Any replica
+        left behind at the old stamp is stale from then on, and the block goes to the
+        monitor for new copies."""
+        rec = of.blocks[index]
         gs = self.ns.reserve("gs")
         failed = []
         for replica in replicas:
@@ -727,24 +726,26 @@ class BlockIO:
                 replica.set_gs(gs)
             except FsError as exc:
                 log.error("new generation stamp for block %d on %s failed: %s",
-                          replica.block_id, replica.volume.path, exc)
+                          rec.block_id, replica.volume.path, exc)
                 failed.append(replica)
-        if failed and len(failed) == len(replicas):
-            raise FsError(errno.EIO, f"no replica of block {of.blocks[index].block_id} "
-                                     f"takes a new generation stamp")
+        if len(failed) == len(replicas):
+            raise FsError(errno.EIO, f"no replica of block {rec.block_id} is left to take "
+                                     f"a new generation stamp")
         if failed:
             good = [r for r in replicas if r not in failed]
             of.replicas[index] = good
             self._count_open(of, index)
             self._retire(of, failed)
             replicas[:] = good
-            self.ns.drop_replicas(of.ino, index, tuple(r.volume.id for r in failed), gs)
-            of.blocks[index].volumes = tuple(r.volume.id for r in good)
+        dropped = tuple(leaving) + tuple(r.volume.id for r in failed)
+        if dropped:
+            self.ns.drop_replicas(of.ino, index, dropped, gs)
+            rec.volumes = tuple(v for v in rec.volumes if v not in dropped)
             self.delete_trash(self.ns.last_trash)
             self.on_needs_replication(of.ino, index)
         else:
             self.ns.set_block_gs(of.ino, index, gs)
-        of.blocks[index].gs = gs
+        rec.gs = gs
         of.bumped.add(index)
 
     def _write_new_block(self, of: OpenFile, index: int, boff: int, piece) -> None:

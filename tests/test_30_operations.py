@@ -1565,6 +1565,44 @@ def test_a_copy_made_after_a_readers_fsync_restamped_the_block_is_not_kept_over_
     caplog.clear()  # the injected failure's ERROR
 
 
+@pytest.fixture
+def triple_fs(tmp_path, caplog):
+    """Three DISK volumes, d1 to d3, and replication 3."""
+    data = tmp_path / "data"
+    make_filesystem(data, [VolumeSpec(StorageType.DISK, data / f"d{i}") for i in (1, 2, 3)],
+                    block_size=BS, bytes_per_checksum=BPC, replication=3)
+    yield from _serve(data, caplog)
+
+
+def test_a_survivor_that_takes_no_new_stamp_leaves_the_block_as_well(triple_fs, caplog,
+                                                                      monkeypatch):
+    """Replication 3: d1 fails to sync and leaves the block; of the survivors, d3's meta
+    file takes no new stamp. d3 leaves as well and the block carries on with d2 alone
+    at the new stamp (before: the fsync failed half-way, with d2 already re-stamped and
+    the namespace still at the old stamp, so that d2 looked stale from then on)."""
+    fs = triple_fs
+    fh, ino = fs.create(b"f")
+    fs.write(fh, 0, b"A" * 5000)
+    fs.call(fs.ops.fsync, fh, False)
+    fs.write(fh, 0, b"B" * 5000)
+    gs = fs.ns.get_blocks(ino)[0].gs
+    _fsync_fails_on(monkeypatch, fs, ino, {(0, "d1")})
+    real_set_gs = Replica.set_gs
+    monkeypatch.setattr(Replica, "set_gs", lambda replica, new_gs: (
+        _set_gs_fails(replica, new_gs) if replica.volume.path.name == "d3"
+        else real_set_gs(replica, new_gs)))
+    fs.call(fs.ops.fsync, fh, False)
+    monkeypatch.undo()
+    rec = fs.ns.get_blocks(ino)[0]
+    d2 = next(v.id for v in fs.blockio.volumes if v.path.name == "d2")
+    assert rec.volumes == (d2,) and rec.gs > gs
+    fs.release(fh)
+    reader = fs.open(ino, os.O_RDONLY)
+    assert fs.read(reader, 0, 5000) == b"B" * 5000
+    fs.release(reader)
+    caplog.clear()  # the injected failures' ERRORs
+
+
 @pytest.mark.parametrize("fixture", ["fs", "replicated_fs"])
 def test_a_write_restamping_a_block_while_fsync_syncs_it_by_name_fails_nothing(
         request, monkeypatch, fixture):
