@@ -172,14 +172,31 @@ def fs(tmp_path, caplog):
     yield from _serve(data, caplog)
 
 
+def _serve_disks(tmp_path: Path, caplog, volumes: int, replication: int):
+    """A prepared FS on DISK volumes d1, d2, ... (as ``_serve``)."""
+    data = tmp_path / "data"
+    make_filesystem(data, [VolumeSpec(StorageType.DISK, data / f"d{i}")
+                           for i in range(1, volumes + 1)],
+                    block_size=BS, bytes_per_checksum=BPC, replication=replication)
+    yield from _serve(data, caplog)
+
+
 @pytest.fixture
 def replicated_fs(tmp_path, caplog):
     """Two DISK volumes, d1 and d2, and replication 2: every block has two replicas."""
-    data = tmp_path / "data"
-    make_filesystem(data, [VolumeSpec(StorageType.DISK, data / "d1"),
-                           VolumeSpec(StorageType.DISK, data / "d2")],
-                    block_size=BS, bytes_per_checksum=BPC, replication=2)
-    yield from _serve(data, caplog)
+    yield from _serve_disks(tmp_path, caplog, volumes=2, replication=2)
+
+
+@pytest.fixture
+def three_volume_fs(tmp_path, caplog):
+    """Three DISK volumes and replication 2: room for a new copy beside both replicas."""
+    yield from _serve_disks(tmp_path, caplog, volumes=3, replication=2)
+
+
+@pytest.fixture
+def triple_fs(tmp_path, caplog):
+    """Three DISK volumes, d1 to d3, and replication 3."""
+    yield from _serve_disks(tmp_path, caplog, volumes=3, replication=3)
 
 
 class ReaddirCollector:
@@ -1505,15 +1522,6 @@ def test_a_replica_that_failed_to_sync_is_tried_again_after_its_drop_failed(
     caplog.clear()
 
 
-@pytest.fixture
-def three_volume_fs(tmp_path, caplog):
-    """Three DISK volumes and replication 2: room for a new copy beside both replicas."""
-    data = tmp_path / "data"
-    make_filesystem(data, [VolumeSpec(StorageType.DISK, data / f"d{i}") for i in (1, 2, 3)],
-                    block_size=BS, bytes_per_checksum=BPC, replication=2)
-    yield from _serve(data, caplog)
-
-
 def test_a_copy_made_after_a_readers_fsync_restamped_the_block_is_not_kept_over_a_write(
         three_volume_fs, caplog, monkeypatch):
     """A read-only handle's fsync drops a replica that failed to sync and re-stamps the
@@ -1563,15 +1571,6 @@ def test_a_copy_made_after_a_readers_fsync_restamped_the_block_is_not_kept_over_
         finally:
             replica.close()
     caplog.clear()  # the injected failure's ERROR
-
-
-@pytest.fixture
-def triple_fs(tmp_path, caplog):
-    """Three DISK volumes, d1 to d3, and replication 3."""
-    data = tmp_path / "data"
-    make_filesystem(data, [VolumeSpec(StorageType.DISK, data / f"d{i}") for i in (1, 2, 3)],
-                    block_size=BS, bytes_per_checksum=BPC, replication=3)
-    yield from _serve(data, caplog)
 
 
 def test_a_survivor_that_takes_no_new_stamp_leaves_the_block_as_well(triple_fs, caplog,
