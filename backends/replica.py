@@ -566,8 +566,15 @@ class Replica:
             raise VolumeError(f"cannot rename {old_path.name}: {new_path} already exists", errno.EEXIST)
         try:
             os.rename(old_path, new_path)
+        except OSError as e:
+            raise self._os_error("rename the meta file of", e) from e
+        try:
             self.volume._fsync_dir(new_path.parent)
         except OSError as e:
+            try:  # back to the name the namespace still records (best effort)
+                os.rename(new_path, old_path)
+            except OSError:
+                self.gs = new_gs  # the file stays at the new name: say so
             raise self._os_error("rename the meta file of", e) from e
         self.gs = new_gs
 

@@ -128,6 +128,10 @@ class BlockIO:
         # Told about blocks that need replication work: (ino, index), e.g. a new block
         # placed only on transient volumes, or a replica dropped from a write pipeline.
         self.on_needs_replication: Callable[[int, int], None] = lambda ino, index: None
+        # Replicas that failed an fsync whose drop from their block failed in turn, per
+        # inode: block index -> volume ids. The kernel reports a write-back error to one
+        # fsync only, so the next fsync counts them as failed whatever their retry says.
+        self.failed_syncs: dict[int, dict[int, set[int]]] = {}
         # Trash rows of whole blocks dropped by commits not yet synced (``defer_trash``).
         self.deferred_trash: list = []
         # Told about a replica a read could not use: (ino, index, volume id, reason).
@@ -305,6 +309,7 @@ class BlockIO:
             except BaseException:
                 of.unsynced.update(blocks)  # nothing is known to be durable
                 raise
+            failed += self._failed_before(of)
             if failed:
                 tried = Counter(i for i, _ in replicas) + Counter(i for i, *_ in closed)
                 restamped, error = self._after_failed_fsyncs(of, tried, failed)
@@ -312,6 +317,17 @@ class BlockIO:
                     await self.sync_namespace()  # the new stamps, before anything returns
                 if error is not None:
                     raise error
+
+    def _failed_before(self, of: OpenFile) -> list[tuple[int, int, FsError]]:
+        """Replicas an earlier fsync found failing and could not drop (``failed_syncs``),
+        as failures of this one, while their block still lists them."""
+        failed = []
+        for index, volume_ids in self.failed_syncs.pop(of.ino, {}).items():
+            rec = of.blocks.get(index)
+            for volume_id in sorted(volume_ids & set(rec.volumes if rec else ())):
+                failed.append((index, volume_id, FsError(
+                    errno.EIO, "failed an earlier fsync (the kernel reports that once)")))
+        return failed
 
     def _namespace_has_durably(self, of: OpenFile) -> bool:
         """Whether the namespace holds the file's size and blocks as they are in memory,
@@ -364,9 +380,15 @@ class BlockIO:
                 restamped |= self._drop_unsynced(of, index, failed_volumes[index])
             except BaseException:
                 # The failed replicas are still in these blocks: the next fsync syncs
-                # every recorded replica again (by name) and drops the failing ones.
+                # every recorded replica again (by name) and drops these whatever that
+                # sync says; the monitor hears of them too, should no fsync come.
                 of.unsynced.update(partly[n:])
                 self.retire_replicas(of, [index])
+                remembered = self.failed_syncs.setdefault(of.ino, {})
+                for later in partly[n:]:
+                    remembered.setdefault(later, set()).update(failed_volumes[later])
+                    for volume_id in failed_volumes[later]:
+                        self.on_bad_replica(of.ino, later, volume_id, "failed to sync")
                 raise
         if not lost:
             return restamped, None
@@ -738,13 +760,25 @@ class BlockIO:
             self._retire(of, failed)
             replicas[:] = good
         dropped = tuple(leaving) + tuple(r.volume.id for r in failed)
+        try:
+            if dropped:
+                self.ns.drop_replicas(of.ino, index, dropped, gs)
+            else:
+                self.ns.set_block_gs(of.ino, index, gs)
+        except BaseException:
+            # The namespace keeps the old stamp: so must the replicas, or the next open
+            # at that stamp would take them for missing and drop the good ones.
+            for replica in replicas:
+                try:
+                    replica.set_gs(rec.gs)
+                except FsError as exc:
+                    log.error("generation stamp of block %d on %s not put back: %s",
+                              rec.block_id, replica.volume.path, exc)
+            raise
         if dropped:
-            self.ns.drop_replicas(of.ino, index, dropped, gs)
             rec.volumes = tuple(v for v in rec.volumes if v not in dropped)
             self.delete_trash(self.ns.last_trash)
             self.on_needs_replication(of.ino, index)
-        else:
-            self.ns.set_block_gs(of.ino, index, gs)
         rec.gs = gs
         of.bumped.add(index)
 
@@ -840,6 +874,7 @@ class BlockIO:
     def forget(self, ino: int) -> None:
         """The inode is purged: nothing of it is left to sync."""
         self.unsynced.pop(ino, None)
+        self.failed_syncs.pop(ino, None)
 
     def delete_trash(self, trash) -> None:
         """Delete the files of replicas the namespace already dropped, then forget them."""
