@@ -287,7 +287,9 @@ class BlockIO:
         leaves the block, whose other replicas get a new stamp, as an HDFS write pipeline
         goes on without a failed DataNode, and the monitor makes a new one. A block none of
         whose replicas synced fails the fsync and stays unsynced, so that a later fsync
-        tries it again instead of calling it durable."""
+        tries it again. That retry succeeds once the disks do: the kernel reports a lost
+        write-back to one fsync only, and the data it lost is lost, as on any Linux
+        filesystem; the failed fsync is what tells the writer."""
         async with of.lock:
             replicas_only = datasync and self._namespace_has_durably(of)
             if not replicas_only:
