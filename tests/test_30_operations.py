@@ -187,96 +187,6 @@ def replicated_fs(tmp_path, caplog):
     yield from _serve_disks(tmp_path, caplog, volumes=2, replication=2)
 
 
-def test_a_new_stamp_the_namespace_could_not_record_is_taken_back(replicated_fs,
-                                                                   monkeypatch):
-    """A write session's first change re-stamps the replicas, then records the stamp. If
-    that commit fails, the replicas go back to the stamp the namespace has: else the next
-    open would take them for missing (stale) and drop them."""
-    fs = replicated_fs
-    fh, ino = fs.create(b"f")
-    fs.write(fh, 0, b"A" * 5000)
-    fs.release(fh)
-    gs = fs.ns.get_blocks(ino)[0].gs
-
-    def no_room(*args):
-        raise FsError(errno.ENOSPC, "injected: the namespace's disk is full")
-
-    monkeypatch.setattr(fs.ns, "set_block_gs", no_room)
-    fh = fs.open(ino, os.O_RDWR)
-    assert fs.errno_of(fs.ops.write, fh, 0, b"B" * 5000) == errno.ENOSPC
-    fs.release(fh)
-    monkeypatch.undo()
-    assert {p.name for p in fs.data.rglob("blk_*.meta")} == {
-        f"blk_{fs.ns.get_blocks(ino)[0].block_id}_{gs}.meta"}
-    fh = fs.open(ino, os.O_RDWR)
-    fs.write(fh, 0, b"C" * 5000)
-    fs.release(fh)
-    reader = fs.open(ino, os.O_RDONLY)
-    assert fs.read(reader, 0, 5000) == b"C" * 5000
-    fs.release(reader)
-    assert len(fs.ns.get_blocks(ino)[0].volumes) == 2
-
-
-def test_a_replica_whose_sync_error_was_reported_once_still_leaves_its_block(
-        replicated_fs, monkeypatch, caplog):
-    """Linux reports a write-back error to one fsync only. d1 fails to sync once, d2
-    syncs but takes no new stamp, so d1's drop fails and the fsync fails. The retry syncs
-    d1 by name without an error: d1, whose data never reached its disk, must still leave
-    the block before that fsync returns success. Found by review."""
-    fs = replicated_fs
-    fh, ino = fs.create(b"f")
-    fs.write(fh, 0, b"A" * 5000)
-    fs.call(fs.ops.fsync, fh, False)
-    fs.write(fh, 0, b"B" * 5000)
-    _fsync_fails_on(monkeypatch, fs, ino, {(0, "d1")})
-    monkeypatch.setattr(Replica, "set_gs", _set_gs_fails)
-    assert fs.errno_of(fs.ops.fsync, fh, False) == errno.EIO
-    monkeypatch.undo()  # the error is reported: a new fdatasync of d1 succeeds
-    fs.call(fs.ops.fsync, fh, False)
-    d1 = next(v.id for v in fs.blockio.volumes if v.path.name == "d1")
-    assert d1 not in fs.ns.get_blocks(ino)[0].volumes
-    fs.release(fh)
-    caplog.clear()
-
-
-def test_a_survivor_whose_new_stamp_failed_after_the_rename_is_kept(
-        replicated_fs, monkeypatch, caplog):
-    """d1 fails to sync, every time. d2 synced; its meta file is renamed to the new stamp,
-    but the directory sync after the rename fails, so the drop fails. The meta file goes
-    back to the stamp the namespace records, and the next fsync drops d1 and keeps d2
-    (before: reopened at the old stamp, d2 was taken for missing and deleted, and the
-    block carried on with d1 alone). Found by review."""
-    fs = replicated_fs
-    fh, ino = fs.create(b"f")
-    fs.write(fh, 0, b"A" * 5000)
-    fs.call(fs.ops.fsync, fh, False)
-    fs.write(fh, 0, b"B" * 5000)
-    _fsync_fails_on(monkeypatch, fs, ino, {(0, "d1")})
-    d1, d2 = (next(v for v in fs.blockio.volumes if v.path.name == name)
-              for name in ("d1", "d2"))
-    monkeypatch.setattr(d1, "sync_replica", lambda block_id, gs: (_ for _ in ()).throw(
-        FsError(errno.EIO, "injected fsync failure")))  # closed after the failure
-    real_fsync_dir = type(d2)._fsync_dir
-    failures = []
-
-    def fsync_dir_fails_once(path):  # in Replica.set_gs, after the rename
-        if not failures:
-            failures.append(path)
-            raise OSError(errno.EIO, "injected: directory sync after the rename failed")
-        real_fsync_dir(d2, path)
-
-    monkeypatch.setattr(d2, "_fsync_dir", fsync_dir_fails_once)
-    assert fs.errno_of(fs.ops.fsync, fh, False) == errno.EIO and failures
-    fs.call(fs.ops.fsync, fh, False)
-    assert fs.ns.get_blocks(ino)[0].volumes == (d2.id,)
-    monkeypatch.undo()
-    fs.release(fh)
-    reader = fs.open(ino, os.O_RDONLY)
-    assert fs.read(reader, 0, 5000) == b"B" * 5000
-    fs.release(reader)
-    caplog.clear()
-
-
 @pytest.fixture
 def three_volume_fs(tmp_path, caplog):
     """Three DISK volumes and replication 2: room for a new copy beside both replicas."""
@@ -1561,6 +1471,17 @@ def _fsync_fails_on(monkeypatch, fs, ino: int, failing: set[tuple[int, str]]) ->
     monkeypatch.setattr(Replica, "fsync", fsync)
 
 
+def _b_over_a_with_d1_failing(fs, monkeypatch) -> tuple[int, int]:
+    """A file with "A"s synced and "B"s written over them, whose next fsync fails on d1's
+    replica: (handle, inode)."""
+    fh, ino = fs.create(b"f")
+    fs.write(fh, 0, b"A" * 5000)
+    fs.call(fs.ops.fsync, fh, False)
+    fs.write(fh, 0, b"B" * 5000)
+    _fsync_fails_on(monkeypatch, fs, ino, {(0, "d1")})
+    return fh, ino
+
+
 def _set_gs_fails(replica, gs):
     raise FsError(errno.EIO, "injected: no new generation stamp")
 
@@ -1593,11 +1514,7 @@ def test_a_replica_that_failed_to_sync_is_tried_again_after_its_drop_failed(
     with d1 left in the block at the same stamp (before: d1 had been closed and
     forgotten). Found by review."""
     fs = replicated_fs
-    fh, ino = fs.create(b"f")
-    fs.write(fh, 0, b"A" * 5000)
-    fs.call(fs.ops.fsync, fh, False)
-    fs.write(fh, 0, b"B" * 5000)
-    _fsync_fails_on(monkeypatch, fs, ino, {(0, "d1")})
+    fh, ino = _b_over_a_with_d1_failing(fs, monkeypatch)
     real_set_gs = Replica.set_gs
     monkeypatch.setattr(Replica, "set_gs", _set_gs_fails)
     assert fs.errno_of(fs.ops.fsync, fh, False) == errno.EIO
@@ -1609,6 +1526,88 @@ def test_a_replica_that_failed_to_sync_is_tried_again_after_its_drop_failed(
     assert d1.id not in fs.ns.get_blocks(ino)[0].volumes
     monkeypatch.undo()
     fs.release(fh)
+    caplog.clear()
+
+
+def test_a_new_stamp_the_namespace_could_not_record_is_taken_back(replicated_fs,
+                                                                   monkeypatch):
+    """A write session's first change re-stamps the replicas, then records the stamp. If
+    that commit fails, the replicas go back to the stamp the namespace has: else the next
+    open would take them for missing (stale) and drop them."""
+    fs = replicated_fs
+    fh, ino = fs.create(b"f")
+    fs.write(fh, 0, b"A" * 5000)
+    fs.release(fh)
+    gs = fs.ns.get_blocks(ino)[0].gs
+
+    def no_room(*args):
+        raise FsError(errno.ENOSPC, "injected: the namespace's disk is full")
+
+    monkeypatch.setattr(fs.ns, "set_block_gs", no_room)
+    fh = fs.open(ino, os.O_RDWR)
+    assert fs.errno_of(fs.ops.write, fh, 0, b"B" * 5000) == errno.ENOSPC
+    fs.release(fh)
+    monkeypatch.undo()
+    assert {p.name for p in fs.data.rglob("blk_*.meta")} == {
+        f"blk_{fs.ns.get_blocks(ino)[0].block_id}_{gs}.meta"}
+    fh = fs.open(ino, os.O_RDWR)
+    fs.write(fh, 0, b"C" * 5000)
+    fs.release(fh)
+    reader = fs.open(ino, os.O_RDONLY)
+    assert fs.read(reader, 0, 5000) == b"C" * 5000
+    fs.release(reader)
+    assert len(fs.ns.get_blocks(ino)[0].volumes) == 2
+
+
+def test_a_replica_whose_sync_error_was_reported_once_still_leaves_its_block(
+        replicated_fs, monkeypatch, caplog):
+    """Linux reports a write-back error to one fsync only. d1 fails to sync once, d2
+    syncs but takes no new stamp, so d1's drop fails and the fsync fails. The retry syncs
+    d1 by name without an error: d1, whose data never reached its disk, must still leave
+    the block before that fsync returns success. Found by review."""
+    fs = replicated_fs
+    fh, ino = _b_over_a_with_d1_failing(fs, monkeypatch)
+    monkeypatch.setattr(Replica, "set_gs", _set_gs_fails)
+    assert fs.errno_of(fs.ops.fsync, fh, False) == errno.EIO
+    monkeypatch.undo()  # the error is reported: a new fdatasync of d1 succeeds
+    fs.call(fs.ops.fsync, fh, False)
+    d1 = next(v.id for v in fs.blockio.volumes if v.path.name == "d1")
+    assert d1 not in fs.ns.get_blocks(ino)[0].volumes
+    fs.release(fh)
+    caplog.clear()
+
+
+def test_a_survivor_whose_new_stamp_failed_after_the_rename_is_kept(
+        replicated_fs, monkeypatch, caplog):
+    """d1 fails to sync, every time. d2 synced; its meta file is renamed to the new stamp,
+    but the directory sync after the rename fails, so the drop fails. The meta file goes
+    back to the stamp the namespace records, and the next fsync drops d1 and keeps d2
+    (before: reopened at the old stamp, d2 was taken for missing and deleted, and the
+    block carried on with d1 alone). Found by review."""
+    fs = replicated_fs
+    fh, ino = _b_over_a_with_d1_failing(fs, monkeypatch)
+    d1, d2 = (next(v for v in fs.blockio.volumes if v.path.name == name)
+              for name in ("d1", "d2"))
+    monkeypatch.setattr(d1, "sync_replica", lambda block_id, gs: (_ for _ in ()).throw(
+        FsError(errno.EIO, "injected fsync failure")))  # closed after the failure
+    real_fsync_dir = type(d2)._fsync_dir
+    failures = []
+
+    def fsync_dir_fails_once(path):  # in Replica.set_gs, after the rename
+        if not failures:
+            failures.append(path)
+            raise OSError(errno.EIO, "injected: directory sync after the rename failed")
+        real_fsync_dir(d2, path)
+
+    monkeypatch.setattr(d2, "_fsync_dir", fsync_dir_fails_once)
+    assert fs.errno_of(fs.ops.fsync, fh, False) == errno.EIO and failures
+    fs.call(fs.ops.fsync, fh, False)
+    assert fs.ns.get_blocks(ino)[0].volumes == (d2.id,)
+    monkeypatch.undo()
+    fs.release(fh)
+    reader = fs.open(ino, os.O_RDONLY)
+    assert fs.read(reader, 0, 5000) == b"B" * 5000
+    fs.release(reader)
     caplog.clear()
 
 
