@@ -375,6 +375,9 @@ class BlockIO:
         lost = sorted(index for index, volumes in failed_volumes.items()
                       if len(volumes) == tried[index])
         of.unsynced.update(lost)
+        for index, volume_id, exc in failed:
+            if index in lost:
+                self.on_bad_replica(of.ino, index, volume_id, str(exc))
         restamped = False
         partly = [i for i in failed_volumes if i not in lost and i in of.blocks]
         for n, index in enumerate(partly):
@@ -394,9 +397,6 @@ class BlockIO:
                 raise
         if not lost:
             return restamped, None
-        for index, volume_id, exc in failed:
-            if index in lost:
-                self.on_bad_replica(of.ino, index, volume_id, str(exc))
         errors = [exc for index, _, exc in failed if index in lost]
         code = errno.ENOSPC if all(e.errno == errno.ENOSPC for e in errors) else errno.EIO
         return restamped, FsError(code, f"no replica of block(s) {lost} of inode {of.ino} "

@@ -1489,17 +1489,24 @@ def _set_gs_fails(replica, gs):
 def test_when_dropping_an_unsynced_replica_fails_every_block_stays_unsynced(
         replicated_fs, monkeypatch, caplog):
     """Block 0: d1 fails to sync and is to leave the block, but its survivor takes no new
-    stamp; block 1: neither replica syncs. The fsync fails, and both blocks stay unsynced
-    for the next one (before: block 1 was forgotten, and the next fsync called it
-    durable without syncing it). Found by review."""
+    stamp; block 1: neither replica syncs. The fsync fails, both blocks stay unsynced for
+    the next one, and the monitor is told of every failed replica (before: block 1 was
+    forgotten, and the next fsync called it durable without syncing it). Found by
+    review."""
     fs = replicated_fs
     fh, ino = fs.create(b"f")
     fs.write(fh, 0, b"x" * (BS + 5000))
     of = fs.blockio.files[ino]
     _fsync_fails_on(monkeypatch, fs, ino, {(0, "d1"), (1, "d1"), (1, "d2")})
     monkeypatch.setattr(Replica, "set_gs", _set_gs_fails)
+    told = []
+    monkeypatch.setattr(fs.blockio, "on_bad_replica",
+                        lambda ino, index, volume_id, reason: told.append((index, volume_id)))
     assert fs.errno_of(fs.ops.fsync, fh, False) == errno.EIO
     assert of.unsynced == {0, 1}
+    d1, d2 = (next(v.id for v in fs.blockio.volumes if v.path.name == name)
+              for name in ("d1", "d2"))
+    assert sorted(told) == [(0, d1), (1, d1), (1, d2)]  # the monitor hears of all three
     monkeypatch.undo()
     fs.call(fs.ops.fsync, fh, False)
     assert of.unsynced == set()
