@@ -222,6 +222,16 @@ class BlockIO:
                 continue
             self.retire_replicas(owner, [index])
 
+    def _stop_using(self, of: OpenFile, index: int, replicas: list[Replica],
+                    leaving: list[Replica]) -> list[Replica]:
+        """The open ``replicas`` of a block without ``leaving``, which are closed: what the
+        block is read and written through from now on (returned)."""
+        kept = [r for r in replicas if r not in leaving]
+        of.replicas[index] = kept
+        self._count_open(of, index)
+        self._retire(of, leaving)
+        return kept
+
     def _retire(self, of: OpenFile, replicas: list[Replica]) -> None:
         of.retired.extend(replicas)
         self._close_retired(of)
@@ -411,11 +421,7 @@ class BlockIO:
         volume_ids = volume_ids & set(of.blocks[index].volumes)  # opening may drop some
         if volume_ids:
             bad = [r for r in replicas if r.volume.id in volume_ids]
-            good = [r for r in replicas if r.volume.id not in volume_ids]
-            if bad:
-                of.replicas[index] = good
-                self._count_open(of, index)
-                self._retire(of, bad)
+            good = self._stop_using(of, index, replicas, bad) if bad else replicas
             self._drop_from_pipeline(of, index, good, sorted(volume_ids))
             if not of.leased:
                 # No write session: the next one must take a stamp of its own, or a copy
@@ -703,10 +709,7 @@ class BlockIO:
             if not room:
                 raise FsError(errno.ENOSPC, f"volume {replica.volume.path} is full")
         if failed:
-            replicas = [r for r in replicas if r not in failed]
-            of.replicas[index] = replicas
-            self._count_open(of, index)
-            self._retire(of, failed)
+            replicas = self._stop_using(of, index, replicas, failed)
             self._drop_from_pipeline(of, index, replicas, [r.volume.id for r in failed])
             failed = []
         if index not in of.bumped:
@@ -722,9 +725,7 @@ class BlockIO:
                           replica.volume.path, exc)
                 failed.append(replica)
         if failed:
-            of.replicas[index] = good
-            self._count_open(of, index)
-            self._retire(of, failed)
+            good = self._stop_using(of, index, replicas, failed)
             self._drop_from_pipeline(of, index, good, [r.volume.id for r in failed])
         if boff + len(piece) > rec.length:
             rec.length = boff + len(piece)
@@ -756,11 +757,7 @@ class BlockIO:
             raise FsError(errno.EIO, f"no replica of block {rec.block_id} is left to take "
                                      f"a new generation stamp")
         if failed:
-            good = [r for r in replicas if r not in failed]
-            of.replicas[index] = good
-            self._count_open(of, index)
-            self._retire(of, failed)
-            replicas[:] = good
+            replicas[:] = self._stop_using(of, index, replicas, failed)
         dropped = tuple(leaving) + tuple(r.volume.id for r in failed)
         try:
             if dropped:
