@@ -93,6 +93,8 @@ class TierfsMount:
     it and waits for the daemon to exit, and ``unmounted`` then says whether it worked.
     """
 
+    program = "mount.tierfs"
+
     def __init__(self, data: str, mnt: str, log_path: str, mkfs_options: list[str],
                  timeout: float = 30.0):
         self.data = data
@@ -119,7 +121,7 @@ class TierfsMount:
 
         On failure nothing is left running; call ``unmount`` in any case afterwards.
         """
-        self._mkfs()
+        self._make()
         os.makedirs(self.mnt, exist_ok=True)
         self._start()
         try:
@@ -140,15 +142,15 @@ class TierfsMount:
                 code = self.process.wait(5.0)
             except subprocess.TimeoutExpired:
                 self._reported = True
-                raise SetupError(f"{self.mnt} no longer answers although mount.tierfs "
+                raise SetupError(f"{self.mnt} no longer answers although {self.program} "
                                  f"(pid {self.pid}) is running\n{self.log_tail()}") from None
         if code is not None:
             self._reported = True
-            raise SetupError(f"mount.tierfs exited with status {code}\n{self.log_tail()}")
+            raise SetupError(f"{self.program} exited with status {code}\n{self.log_tail()}")
 
     def kill(self, why: str) -> None:
         """Kills a wedged daemon; the kernel then fails every call waiting on it."""
-        _say(f"killing mount.tierfs (pid {self.pid}): {why}")
+        _say(f"killing {self.program} (pid {self.pid}): {why}")
         self.process.kill()
 
     def log_tail(self, lines: int = 30) -> str:
@@ -173,15 +175,15 @@ class TierfsMount:
         if is_mounted(self.mnt):
             self._fusermount("-u")
         if is_mounted(self.mnt):
-            _say("the mount is still there; asking mount.tierfs to unmount with SIGTERM")
+            _say(f"the mount is still there; asking {self.program} to unmount with SIGTERM")
         elif self._wait(30.0):
             self._finish()
             return
         else:
-            _say("mount.tierfs still running 30 s after the unmount; sending SIGTERM")
+            _say(f"{self.program} still running 30 s after the unmount; sending SIGTERM")
         self.process.terminate()
         if not self._wait(10.0):
-            _say("mount.tierfs ignored SIGTERM; sending SIGKILL")
+            _say(f"{self.program} ignored SIGTERM; sending SIGKILL")
             self.process.kill()
             self._wait(10.0)
         self._finish()
@@ -192,9 +194,9 @@ class TierfsMount:
             self._fusermount("-u", "-z")
         self.unmounted = not is_mounted(self.mnt)
         if self.process.returncode not in (0, None) and not self._reported:
-            _say(f"mount.tierfs exited with status {self.process.returncode}\n{self.log_tail()}")
+            _say(f"{self.program} exited with status {self.process.returncode}\n{self.log_tail()}")
 
-    def _mkfs(self) -> None:
+    def _make(self) -> None:
         command = [find_command("tierfs"), "mkfs", self.data, *self.mkfs_options]
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
@@ -202,8 +204,11 @@ class TierfsMount:
                              f"{done.stdout}{done.stderr}".rstrip())
         self.mkfs_output = done.stdout
 
+    def _command(self) -> list[str]:
+        return [find_command("mount.tierfs"), self.data, self.mnt, "-f"]
+
     def _start(self) -> None:
-        command = [find_command("mount.tierfs"), self.data, self.mnt, "-f"]
+        command = self._command()
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True)
@@ -214,12 +219,12 @@ class TierfsMount:
             code = self.process.poll()
             if code is not None:
                 self._reported = True
-                raise SetupError(f"mount.tierfs exited with status {code} before mounting "
+                raise SetupError(f"{self.program} exited with status {code} before mounting "
                                  f"{self.mnt}:\n{self.log_tail()}")
             if time.monotonic() > deadline:
                 self._reported = True
                 raise SetupError(f"{self.mnt} not mounted {self.timeout:.0f} s after starting "
-                                 f"mount.tierfs (pid {self.pid}):\n{self.log_tail()}")
+                                 f"{self.program} (pid {self.pid}):\n{self.log_tail()}")
             time.sleep(0.05)
 
     def _fusermount(self, *options: str) -> None:
@@ -238,6 +243,23 @@ class TierfsMount:
         except subprocess.TimeoutExpired:
             return False
         return True
+
+
+class FloorMount(TierfsMount):
+    """``floorfs.py`` (the least a pyfuse3 filesystem does, served as tierfs is) mounted by
+    a foreground daemon, its data files in ``data``: the ``--floor`` reference."""
+
+    program = "floorfs.py"
+
+    def __init__(self, data: str, mnt: str, log_path: str, timeout: float = 30.0):
+        super().__init__(data, mnt, log_path, [], timeout)
+
+    def _make(self) -> None:
+        os.makedirs(self.data, exist_ok=True)
+
+    def _command(self) -> list[str]:
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "floorfs.py")
+        return [sys.executable, script, self.data, self.mnt]
 
 
 @dataclass

@@ -74,9 +74,10 @@ Cell = Figure | Missing
 class Results:
     """Everything measured in one run: figure name -> directory label -> cell.
 
-    ``labels`` are the directories in column order. With two, the first is the reference
-    (the backing directory) and the second the subject (the tierfs mount); with one
-    (``--target-only``) there is no reference and only absolute targets are judged.
+    ``labels`` are the directories in column order. With two or more, the first is the
+    reference (the backing directory) and the last the subject (the tierfs mount), which the
+    targets judge; any between (``--floor``) get a ratio column of their own, unjudged. With
+    one (``--target-only``) there is no reference and only absolute targets are judged.
     """
 
     def __init__(self, labels: list[str]):
@@ -86,7 +87,7 @@ class Results:
 
     @property
     def reference(self) -> str | None:
-        return self.labels[0] if len(self.labels) == 2 else None
+        return self.labels[0] if len(self.labels) >= 2 else None
 
     @property
     def subject(self) -> str:
@@ -115,10 +116,15 @@ class Results:
         """The figures measured so far, in report order."""
         return [name for name in UNITS if name in self.cells]
 
-    def ratio(self, name: str) -> float | None:
-        """subject/reference, when both were measured."""
+    @property
+    def compared(self) -> list[str]:
+        """The labels measured against the reference, each with a ratio: the subject last."""
+        return self.labels[1:] if self.reference else []
+
+    def ratio(self, name: str, label: str | None = None) -> float | None:
+        """label/reference (label: the subject by default), when both were measured."""
         row = self.cells[name]
-        subject, reference = row.get(self.subject), row.get(self.reference)
+        subject, reference = row.get(label or self.subject), row.get(self.reference)
         if not (isinstance(subject, Figure) and isinstance(reference, Figure)):
             return None
         return subject.value / reference.value if reference.value else None
@@ -154,6 +160,7 @@ def format_number(value: float) -> str:
 def render_table(results: Results) -> str:
     """The results as an aligned text table, followed by why anything is missing."""
     header = ["workload", "unit", *results.labels]
+    header += [f"{label} ratio" for label in results.compared[:-1]]
     if results.reference:
         header.append("ratio")
     header += ["target", "result"]
@@ -183,8 +190,8 @@ def _table_row(results: Results, name: str) -> list[str]:
             row.append("ERROR" if cell.error else "skip")
         else:
             row.append(format_number(cell.value))
-    if results.reference:
-        ratio = results.ratio(name)
+    for label in results.compared:
+        ratio = results.ratio(name, label)
         row.append("" if ratio is None else format_number(ratio))
     goal = GOALS.get(name)
     row += [goal.describe() if goal else "", results.verdict(name)]
@@ -213,6 +220,8 @@ def to_json(results: Results, meta: dict) -> dict:
             "values": {label: _cell_json(cell, results.rounds.get(name, {}).get(label))
                        for label, cell in results.cells[name].items()},
             "ratio": results.ratio(name),
+            **{f"{label}_ratio": results.ratio(name, label)
+               for label in results.compared[:-1]},
             "target": None if goal is None else {"kind": goal.kind, "threshold": goal.threshold},
             "result": results.verdict(name),
         })

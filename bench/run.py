@@ -1,15 +1,19 @@
 #!/usr/bin/env python3
 """Benchmark tierfs against the directory it stores its data in.
 
-    python bench/run.py [--workdir DIR] [--quick] [--rounds N] [--only NAME,...] [--json OUT]
+    python bench/run.py [--workdir DIR] [--floor] [--quick] [--rounds N] [--only NAME,...]
+                        [--json OUT]
     python bench/run.py --target-only DIR [--quick] [--rounds N] [--only NAME,...] [--json OUT]
 
 Makes a fresh tierfs with ``tierfs mkfs``, mounts it with ``mount.tierfs -f``, and runs every
 workload twice in the same run: on ``backing/``, a plain directory on the same filesystem as
 the tierfs volumes, and on the mount. The table then gives tierfs's figures as ratios of what
 the same disk does without it, measured minutes apart on the same machine (DESIGN.md section
-12), next to the targets. With ``--target-only DIR`` the workloads run on DIR alone and no
-tierfs is involved: to develop the harness, or to measure a tierfs mounted by hand.
+12), next to the targets. With ``--floor`` they also run, in the same rounds, on
+``floorfs.py``: the least a pyfuse3 filesystem does, served as tierfs is, whose ratios show
+what the stack and the machine allow before tierfs does any work of its own. With
+``--target-only DIR`` the workloads run on DIR alone and no tierfs is involved: to develop
+the harness, or to measure a tierfs mounted by hand.
 
 Exit status: 0 when the run completes (with ``--strict``, 1 if a target is missed), 2 when it
 cannot start or the daemon dies, 130 when interrupted (Ctrl-C or SIGTERM); the mount is
@@ -32,7 +36,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from datetime import datetime, timezone
 
-from mountctl import RssSampler, SetupError, TierfsMount, fs_type
+from mountctl import FloorMount, RssSampler, SetupError, TierfsMount, fs_type
 from progress import Progress
 from report import Missing, Results, format_number, render_table, to_json
 from workloads import (WORKLOADS, BenchError, Figure, Sizes, SkipWorkload, Workload,
@@ -65,12 +69,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--keep", action="store_true",
                         help="keep the work directory (and the daemon log) afterwards")
     parser.add_argument("--strict", action="store_true", help="exit 1 if a target is missed")
+    parser.add_argument("--floor", action="store_true",
+                        help="also run every workload on bench/floorfs.py, the least a "
+                        "pyfuse3 filesystem does, served as tierfs is: what the stack "
+                        "allows on this machine before tierfs does any work")
     parser.add_argument("--mount-timeout", type=float, default=30.0, metavar="SECONDS")
     parser.add_argument("--stall-timeout", type=float, default=300.0, metavar="SECONDS",
                         help="kill the daemon when a workload makes no progress this long")
     args = parser.parse_args(argv)
     if args.target_only and args.workdir:
         parser.error("--workdir and --target-only exclude each other")
+    if args.target_only and args.floor:
+        parser.error("--floor and --target-only exclude each other")
     if args.rounds is None:
         args.rounds = 1 if args.quick else DEFAULT_ROUNDS
     if args.rounds < 1:
@@ -176,13 +186,16 @@ def bench_tierfs(args: argparse.Namespace, sizes: Sizes, progress: Progress,
     """Makes and mounts a tierfs in a work directory, benchmarks it against backing/, and
     always unmounts and cleans up afterwards."""
     workdir, created = make_workdir(args.workdir)
-    backing, data, mnt = (os.path.join(workdir, name) for name in ("backing", "data", "mnt"))
+    parts = ("backing", "data", "mnt", "floor-data", "floor")
+    backing, data, mnt, floor_data, floor_mnt = (os.path.join(workdir, name) for name in parts)
     meta.update(workdir=workdir, fs_type=fs_type(workdir))
     mount = TierfsMount(data, mnt, os.path.join(workdir, "daemon.log"),
                         mkfs_options(args), args.mount_timeout)
+    floor = FloorMount(floor_data, floor_mnt, os.path.join(workdir, "floorfs.log"),
+                       args.mount_timeout) if args.floor else None
     sampler = None
     try:
-        check_space(workdir, 2 * sizes.file_bytes)
+        check_space(workdir, (3 if floor else 2) * sizes.file_bytes)
         os.mkdir(backing)
         print(f"making and mounting tierfs in {workdir}", file=sys.stderr, flush=True)
         mount.start()
@@ -192,6 +205,10 @@ def bench_tierfs(args: argparse.Namespace, sizes: Sizes, progress: Progress,
         meta["statvfs"] = {"backing": statvfs_json(backing), "tierfs": statvfs_json(mnt)}
         sides = [(Workspace("backing", backing, sizes, progress, (backing,)), None),
                  (Workspace("tierfs", mnt, sizes, progress, (mnt, data)), mount)]
+        if floor:
+            floor.start()
+            sides.insert(1, (Workspace("floor", floor_mnt, sizes, progress,
+                                       (floor_mnt, floor_data)), floor))
         run_workloads(args.workloads, sides, progress, results, args.rounds)
     finally:
         with interrupts_deferred():
@@ -199,7 +216,12 @@ def bench_tierfs(args: argparse.Namespace, sizes: Sizes, progress: Progress,
                 record_memory(results, meta, sampler)
             mount.unmount()
             meta["daemon_exit_status"] = mount.exit_status
-            clean_up(workdir, created, [backing, data, mnt], args.keep, mount.unmounted)
+            unmounted = mount.unmounted
+            if floor:
+                floor.unmount()
+                unmounted = unmounted and floor.unmounted
+            clean_up(workdir, created, [os.path.join(workdir, name) for name in parts],
+                     args.keep, unmounted)
 
 
 def bench_directory(args: argparse.Namespace, sizes: Sizes, progress: Progress,
@@ -374,7 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     signal.signal(signal.SIGTERM, raise_interrupt)
     sizes = Sizes().quick() if args.quick else Sizes()
-    results = Results(["dir"] if args.target_only else ["backing", "tierfs"])
+    results = Results(["dir"] if args.target_only
+                      else ["backing", "floor", "tierfs"] if args.floor
+                      else ["backing", "tierfs"])
     meta = describe_run(args, sizes)
     progress = Progress(stall_timeout=args.stall_timeout)
     status = 0

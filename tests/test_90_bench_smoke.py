@@ -113,3 +113,59 @@ def test_a_failed_round_is_not_outvoted(monkeypatch):
     assert results.cells["create"]["backing"].value == 200.0
     assert isinstance(results.cells["create"]["tierfs"], Missing)
     assert results.verdict("create") == "FAIL"
+
+
+@pytest.mark.timeout(120)
+def test_a_floor_run_measures_the_floor_filesystem_beside_tierfs(tmp_path):
+    """``--floor``: every workload also runs on bench/floorfs.py, really mounted, and the
+    table and the JSON give its ratio to the backing directory beside tierfs's; both mounts
+    are gone afterwards, and so is the work directory the run made."""
+    out = tmp_path / "bench.json"
+    workdir = tmp_path / "work"
+    done = subprocess.run(
+        [sys.executable, RUN, "--workdir", str(workdir), "--quick", "--floor",
+         "--only", "seq_write,create,unlink,small_files", "--json", str(out)],
+        capture_output=True, text=True, timeout=110)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    table = done.stdout.split("\n\n")[-1]
+    assert re.search(r"^workload\s+unit\s+backing\s+floor\s+tierfs\s+floor ratio\s+ratio\s",
+                     table, re.MULTILINE), table
+    figures = {f["name"]: f for f in json.loads(out.read_text())["figures"]}
+    for name in ("seq_write", "create", "unlink", "small_files_write", "small_files_read"):
+        values = figures[name]["values"]
+        assert values["floor"]["value"] > 0 and values["tierfs"]["value"] > 0, values
+        assert figures[name]["floor_ratio"] == pytest.approx(
+            values["floor"]["value"] / values["backing"]["value"])
+        assert figures[name]["ratio"] == pytest.approx(
+            values["tierfs"]["value"] / values["backing"]["value"])
+    assert not any(os.path.ismount(workdir / part) for part in ("mnt", "floor"))
+    assert not workdir.exists(), "the harness left its work directory behind"
+
+
+def test_floor_and_target_only_exclude_each_other(tmp_path):
+    done = subprocess.run([sys.executable, RUN, "--target-only", str(tmp_path), "--floor"],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2
+    assert "--floor and --target-only exclude each other" in done.stderr
+
+
+def test_a_middle_directory_gets_a_ratio_but_no_verdict(monkeypatch):
+    """With a floor between the backing directory and tierfs, the targets judge tierfs
+    alone: a floor that misses one does not make tierfs fail, nor one that meets it pass."""
+    monkeypatch.syspath_prepend(os.path.join(REPO, "bench"))
+    from report import Results, render_table
+    from workloads import Figure
+
+    results = Results(["backing", "floor", "tierfs"])
+    results.add("backing", "create", Figure("create", 1000.0, 1.0, 1000))
+    results.add("floor", "create", Figure("create", 50.0, 1.0, 50))
+    results.add("tierfs", "create", Figure("create", 100.0, 1.0, 100))
+    assert results.ratio("create") == pytest.approx(0.1)
+    assert results.ratio("create", "floor") == pytest.approx(0.05)
+    assert results.verdict("create") == "PASS"  # 0.1 >= 0.075, though the floor is below
+    header, _, row = render_table(results).splitlines()[:3]
+    assert header.split() == ["workload", "unit", "backing", "floor", "tierfs", "floor",
+                              "ratio", "ratio", "target", "result"]
+    assert row.split() == ["create", "ops/s", "1,000", "50.0", "100", "0.050", "0.100",
+                           ">=", "0.075x", "PASS"]
