@@ -34,6 +34,7 @@ from tierfs.fs.blockio import BlockIO, OpenFile
 from tierfs.fs.errors import OUT_OF_DESCRIPTORS, FsError, LimitError
 from tierfs.fs.lograte import RepeatedWarnings
 from tierfs.fs.namespace import NAME_MAX, RENAME_WHITEOUT, Namespace
+from tierfs.fs.placement import Placement
 from tierfs.fs.policy_xattrs import REPLICATION, PolicyXattrs, is_policy_xattr
 from tierfs.fs.schema import ROOT_INO, Inode
 from tierfs.fs.times import now_ns, storable_time_ns
@@ -238,12 +239,14 @@ class Operations(pyfuse3.Operations):
         return ctx.uid, gid, mode
 
     def _make(self, parent: int, name: bytes, mode: int, ctx, rdev: int = 0,
-              target: bytes | None = None) -> Inode:
+              target: bytes | None = None,
+              placement: Placement | None = None) -> Inode:
+        """``placement``: the parent's policy and replication, when the caller has them."""
         parent_inode = self.ns.get_inode(parent)
         uid, gid, mode = self._new_owner(parent_inode, mode, ctx)
         stamp = None
         if stat.S_ISREG(mode):
-            policy = self.resolver.policy(parent)
+            policy = placement[0] if placement else self.resolver.policy(parent)
             stamp = policy.id if policy.copy_on_create_file else None
         return self.ns.make_node(parent, name, mode, uid, gid, rdev, now_ns(), target,
                                  stamp_policy=stamp)
@@ -430,12 +433,12 @@ class Operations(pyfuse3.Operations):
 
     # --- files -----------------------------------------------------------------------------
 
-    def _open(self, ino: int, flags: int, ctx,
-              created: Inode | None = None) -> pyfuse3.FileInfo:
+    def _open(self, ino: int, flags: int, ctx, created: Inode | None = None,
+              placement: Placement | None = None) -> pyfuse3.FileInfo:
         writer = (flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
         direct = bool(flags & os.O_DIRECT) or (
             (flags & os.O_ACCMODE) == os.O_WRONLY
-            and not self.blockio.placer.has_room(ino, WRITEBACK_HEADROOM))
+            and not self.blockio.placer.has_room(ino, WRITEBACK_HEADROOM, placement))
         privileges = caller.privileges(ctx) if writer and direct else None
         of = self.blockio.acquire(ino, writer=writer, created=created)
         fh = self._fh()
@@ -479,8 +482,12 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def create(self, parent_inode, name, mode, flags, ctx):
-        inode = self._make(parent_inode, name, (mode & 0o7777) | stat.S_IFREG, ctx)
-        fi = self._open(inode.ino, flags, ctx, created=inode)
+        # A new file has no inherited op of its own, so its policy and replication are its
+        # directory's (its copy-on-create stamp, if any, is that same policy): resolved once.
+        placement = self.resolver.placement(parent_inode)
+        inode = self._make(parent_inode, name, (mode & 0o7777) | stat.S_IFREG, ctx,
+                           placement=placement)
+        fi = self._open(inode.ino, flags, ctx, created=inode, placement=placement)
         return fi, self._reply_entry(inode)
 
     @handler

@@ -108,7 +108,9 @@ def _fill(policy: BlockStoragePolicy, replication: int, chosen_types: list[Stora
 
 
 # Resolves the (policy, replication) that apply to an inode.
-EffectivePlacement = Callable[[int], tuple[BlockStoragePolicy, int]]
+Placement = tuple[BlockStoragePolicy, int]
+"""A file's effective storage policy and replication factor."""
+EffectivePlacement = Callable[[int], Placement]
 
 
 class Placer:
@@ -138,10 +140,12 @@ class Placer:
             replication = persistent + sum(not v.storage_type.transient for v in more)
         return chosen, replication
 
-    def has_room(self, ino: int, nbytes: int) -> bool:
+    def has_room(self, ino: int, nbytes: int,
+                 placement: Placement | None = None) -> bool:
         """Whether a new block of the file could be placed now on volumes that each have
-        ``nbytes`` free (no side effect: nothing is reserved)."""
-        policy, replication = self.effective(ino)
+        ``nbytes`` free (no side effect: nothing is reserved). ``placement``: the file's
+        policy and replication when the caller has them already."""
+        policy, replication = placement or self.effective(ino)
         try:
             return bool(self._choose(policy, replication, nbytes))
         except FsError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from tierfs.fs.inherited import DEFAULT, Op, RenameMode, Resolved, resolve
 from tierfs.fs.namespace import Namespace
+from tierfs.fs.placement import Placement
 from tierfs.fs.schema import Inherited
 from tierfs.satisfier.policies import BlockStoragePolicy, PolicySuite
 
@@ -24,25 +25,40 @@ class Resolver:
 
     def chain(self, ino: int, attr: int) -> tuple[list[int], list[Op | None]]:
         inos, raw = self.ns.inherited_chain(ino, attr)
-        return inos, [None if r is None else Op.from_bytes(r) for r in raw]
+        return inos, _ops(raw)
 
     def resolve(self, ino: int, attr: int) -> tuple[Resolved, list[int]]:
         """The effective value; a file's copy-on-create stamp (LAZY_PERSIST) always wins, as
         a policy in an HDFS file header does."""
         inos, ops = self.chain(ino, attr)
+        return self._resolved(ino, attr, ops), inos
+
+    def _resolved(self, ino: int, attr: int, ops: list[Op | None]) -> Resolved:
         if attr == ATTR_POLICY:
             stamp = self.ns.policy_stamp(ino)
             if stamp is not None:
-                return Resolved(stamp.value, 0, stamp.order[0], False), inos
-        return resolve(ops, self.mode), inos
+                return Resolved(stamp.value, 0, stamp.order[0], False)
+        return resolve(ops, self.mode)
 
     def policy(self, ino: int) -> BlockStoragePolicy:
-        value = self.resolve(ino, ATTR_POLICY)[0].value
-        return self.suite.default if value == DEFAULT else self.suite.get(value)
+        return self._policy(self.resolve(ino, ATTR_POLICY)[0].value)
 
     def replication(self, ino: int) -> int:
-        value = self.resolve(ino, ATTR_REPLICATION)[0].value
+        return self._replication(self.resolve(ino, ATTR_REPLICATION)[0].value)
+
+    def placement(self, ino: int) -> Placement:
+        """Policy and replication, from one walk up the tree."""
+        _, raw = self.ns.inherited_chains(ino, (ATTR_POLICY, ATTR_REPLICATION))
+        policy, replication = (_ops(chain) for chain in raw)
+        return (self._policy(self._resolved(ino, ATTR_POLICY, policy).value),
+                self._replication(self._resolved(ino, ATTR_REPLICATION, replication).value))
+
+    def _policy(self, value: int) -> BlockStoragePolicy:
+        return self.suite.default if value == DEFAULT else self.suite.get(value)
+
+    def _replication(self, value: int) -> int:
         return self.ns.config.replication if value == DEFAULT else value
 
-    def placement(self, ino: int) -> tuple[BlockStoragePolicy, int]:
-        return self.policy(ino), self.replication(ino)
+
+def _ops(raw: list[bytes | None]) -> list[Op | None]:
+    return [None if r is None else Op.from_bytes(r) for r in raw]

@@ -160,6 +160,16 @@ def machine_for(mode: RenameMode):
                         f"{self.expected[(node, a)]}")
 
         @invariant()
+        def one_walk_reads_what_one_walk_per_attribute_reads(self):
+            """``inherited_chains`` (placement's single walk) against ``inherited_chain``."""
+            if not hasattr(self, "ns"):
+                return
+            for node in self.nodes():
+                inos, chains = self.ns.inherited_chains(node, ATTRS)
+                assert [self.ns.inherited_chain(node, a) for a in ATTRS] == \
+                    [(inos, chain) for chain in chains]
+
+        @invariant()
         def deleted_inodes_are_gone(self):
             if not hasattr(self, "ns"):
                 return

@@ -666,6 +666,35 @@ def test_xattr_round_trip(fs):
     assert b"user.one" not in fs.call(fs.ops.listxattr, f, ctx)
 
 
+def test_placement_in_one_walk_is_policy_and_replication_each_resolved(three_volume_fs):
+    """``Resolver.placement`` (one walk up the tree, used for every new block and every
+    open for writing) answers what ``policy`` and ``replication`` answer one by one, through
+    sets at several levels, an unset, a rename and a LAZY_PERSIST file's own stamp; and a
+    new file takes its directory's, which ``create`` relies on to resolve once."""
+    fs = three_volume_fs
+    ctx, resolver = fs.ctx, fs.ops.resolver
+    a = fs.mkdir(b"a")
+    b = fs.mkdir(b"b", parent=a)
+    c = fs.mkdir(b"c")
+    fs.call(fs.ops.setxattr, a, b"user.tierfs.storage_policy", b"COLD", ctx)
+    fs.call(fs.ops.setxattr, b, b"user.tierfs.replication", b"1", ctx)  # the default is 2
+    fs.call(fs.ops.setxattr, c, b"user.tierfs.storage_policy", b"LAZY_PERSIST", ctx)
+    fs.call(fs.ops.setxattr, c, b"user.tierfs.replication", b"3", ctx)
+    files = {}
+    for name, parent in ((b"fa", a), (b"fb", b), (b"fc", c), (b"froot", ROOT_INO)):
+        fh, files[name] = fs.create(name, parent=parent)
+        fs.release(fh)
+        assert resolver.placement(files[name]) == resolver.placement(parent)
+    fs.call(fs.ops.removexattr, a, b"user.tierfs.storage_policy", ctx)
+    fs.call(fs.ops.rename, c, b"fc", b, b"moved", 0, ctx)  # keeps its LAZY_PERSIST stamp
+    expected = {ROOT_INO: ("HOT", 2), a: ("HOT", 2), b: ("HOT", 1), c: ("LAZY_PERSIST", 3),
+                files[b"fa"]: ("HOT", 2), files[b"fb"]: ("HOT", 1),
+                files[b"fc"]: ("LAZY_PERSIST", 1), files[b"froot"]: ("HOT", 2)}
+    for ino, (policy, replication) in expected.items():
+        assert (resolver.policy(ino).name, resolver.replication(ino)) == (policy, replication)
+        assert resolver.placement(ino) == (resolver.policy(ino), resolver.replication(ino))
+
+
 def test_xattr_value_size_limit(fs):
     fh, f = fs.create(b"f")
     fs.release(fh)
