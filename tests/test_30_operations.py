@@ -690,8 +690,8 @@ def test_placement_in_one_walk_is_policy_and_replication_each_resolved(three_vol
     expected = {ROOT_INO: ("HOT", 2), a: ("HOT", 2), b: ("HOT", 1), c: ("LAZY_PERSIST", 3),
                 files[b"fa"]: ("HOT", 2), files[b"fb"]: ("HOT", 1),
                 files[b"fc"]: ("LAZY_PERSIST", 1), files[b"froot"]: ("HOT", 2)}
-    for ino, (policy, replication) in expected.items():
-        assert (resolver.policy(ino).name, resolver.replication(ino)) == (policy, replication)
+    for ino, (policy_name, factor) in expected.items():
+        assert (resolver.policy(ino).name, resolver.replication(ino)) == (policy_name, factor)
         assert resolver.placement(ino) == (resolver.policy(ino), resolver.replication(ino))
 
 
