@@ -30,7 +30,7 @@ import os
 import stat
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pyfuse3
 import trio
@@ -47,10 +47,17 @@ class Node:
     mode: int
     uid: int
     gid: int
-    time_ns: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
     size: int = 0
     children: dict[bytes, int] | None = None
-    times: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def new(cls, mode: int, uid: int, gid: int) -> Node:
+        now = time.time_ns()
+        return cls(mode, uid, gid, now, now, now,
+                   children={} if stat.S_ISDIR(mode) else None)
 
 
 @dataclass
@@ -65,8 +72,7 @@ class FloorOperations(pyfuse3.Operations):
     def __init__(self, store: str):
         super().__init__()
         self.store = store
-        root = Node(stat.S_IFDIR | 0o755, os.getuid(), os.getgid(), time.time_ns(),
-                    children={})
+        root = Node.new(stat.S_IFDIR | 0o755, os.getuid(), os.getgid())
         self.nodes: dict[int, Node] = {pyfuse3.ROOT_INODE: root}
         self.next_ino = pyfuse3.ROOT_INODE + 1
         self.handles: dict[int, Handle] = {}
@@ -88,9 +94,9 @@ class FloorOperations(pyfuse3.Operations):
         entry.st_size = node.size
         entry.st_blocks = (node.size + 511) // 512
         entry.st_blksize = IO_BLKSIZE
-        entry.st_atime_ns = node.times.get("atime", node.time_ns)
-        entry.st_mtime_ns = node.times.get("mtime", node.time_ns)
-        entry.st_ctime_ns = node.times.get("ctime", node.time_ns)
+        entry.st_atime_ns = node.atime_ns
+        entry.st_mtime_ns = node.mtime_ns
+        entry.st_ctime_ns = node.ctime_ns
         entry.entry_timeout = entry.attr_timeout = CACHE_TIMEOUT
         return entry
 
@@ -100,8 +106,7 @@ class FloorOperations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EEXIST)
         ino = self.next_ino
         self.next_ino += 1
-        directory = {} if stat.S_ISDIR(mode) else None
-        self.nodes[ino] = Node(mode, ctx.uid, ctx.gid, time.time_ns(), children=directory)
+        self.nodes[ino] = Node.new(mode, ctx.uid, ctx.gid)
         children[name] = ino
         return ino
 
@@ -173,10 +178,12 @@ class FloorOperations(pyfuse3.Operations):
             node.uid = attr.st_uid
         if fields.update_gid:
             node.gid = attr.st_gid
-        for name, update in (("atime", fields.update_atime), ("mtime", fields.update_mtime),
-                             ("ctime", fields.update_ctime)):
-            if update:
-                node.times[name] = getattr(attr, f"st_{name}_ns")
+        if fields.update_atime:
+            node.atime_ns = attr.st_atime_ns
+        if fields.update_mtime:
+            node.mtime_ns = attr.st_mtime_ns
+        if fields.update_ctime:
+            node.ctime_ns = attr.st_ctime_ns
         return self._entry(inode)
 
     async def mkdir(self, parent_inode, name, mode, ctx):
