@@ -241,12 +241,13 @@ class Operations(pyfuse3.Operations):
     def _make(self, parent: int, name: bytes, mode: int, ctx, rdev: int = 0,
               target: bytes | None = None,
               placement: Placement | None = None) -> Inode:
-        """``placement``: the parent's policy and replication, when the caller has them."""
+        """``placement``: the parent's policy and replication, when the caller has them
+        (only the policy is used here: a LAZY_PERSIST directory stamps its new files)."""
         parent_inode = self.ns.get_inode(parent)
         uid, gid, mode = self._new_owner(parent_inode, mode, ctx)
         stamp = None
         if stat.S_ISREG(mode):
-            policy = placement[0] if placement else self.resolver.policy(parent)
+            policy = placement[0] if placement is not None else self.resolver.policy(parent)
             stamp = policy.id if policy.copy_on_create_file else None
         return self.ns.make_node(parent, name, mode, uid, gid, rdev, now_ns(), target,
                                  stamp_policy=stamp)

@@ -145,7 +145,7 @@ class Placer:
         """Whether a new block of the file could be placed now on volumes that each have
         ``nbytes`` free (no side effect: nothing is reserved). ``placement``: the file's
         policy and replication when the caller has them already."""
-        policy, replication = placement or self.effective(ino)
+        policy, replication = placement if placement is not None else self.effective(ino)
         try:
             return bool(self._choose(policy, replication, nbytes))
         except FsError:

@@ -46,12 +46,15 @@ class Resolver:
     def replication(self, ino: int) -> int:
         return self._replication(self.resolve(ino, ATTR_REPLICATION)[0].value)
 
+    def resolve_many(self, ino: int, attrs: tuple[int, ...]) -> list[Resolved]:
+        """``resolve``'s values for several attributes, from one walk up the tree."""
+        _, raw = self.ns.inherited_chains(ino, attrs)
+        return [self._resolved(ino, attr, _ops(chain)) for attr, chain in zip(attrs, raw)]
+
     def placement(self, ino: int) -> Placement:
         """Policy and replication, from one walk up the tree."""
-        _, raw = self.ns.inherited_chains(ino, (ATTR_POLICY, ATTR_REPLICATION))
-        policy, replication = (_ops(chain) for chain in raw)
-        return (self._policy(self._resolved(ino, ATTR_POLICY, policy).value),
-                self._replication(self._resolved(ino, ATTR_REPLICATION, replication).value))
+        policy, replication = self.resolve_many(ino, (ATTR_POLICY, ATTR_REPLICATION))
+        return self._policy(policy.value), self._replication(replication.value)
 
     def _policy(self, value: int) -> BlockStoragePolicy:
         return self.suite.default if value == DEFAULT else self.suite.get(value)

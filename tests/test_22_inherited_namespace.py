@@ -160,14 +160,13 @@ def machine_for(mode: RenameMode):
                         f"{self.expected[(node, a)]}")
 
         @invariant()
-        def one_walk_reads_what_one_walk_per_attribute_reads(self):
-            """``inherited_chains`` (placement's single walk) against ``inherited_chain``."""
+        def one_walk_for_both_attributes_gives_the_magicians_values(self):
+            """``resolve_many``, placement's single walk up the tree."""
             if not hasattr(self, "ns"):
                 return
             for node in self.nodes():
-                inos, chains = self.ns.inherited_chains(node, ATTRS)
-                assert [self.ns.inherited_chain(node, a) for a in ATTRS] == \
-                    [(inos, chain) for chain in chains]
+                got = [r.value for r in self.resolver.resolve_many(node, ATTRS)]
+                assert got == [self.expected[(node, a)] for a in ATTRS], f"inode {node}"
 
         @invariant()
         def deleted_inodes_are_gone(self):

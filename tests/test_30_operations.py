@@ -668,7 +668,7 @@ def test_xattr_round_trip(fs):
 
 def test_placement_in_one_walk_is_policy_and_replication_each_resolved(three_volume_fs):
     """``Resolver.placement`` (one walk up the tree, used for every new block and every
-    open for writing) answers what ``policy`` and ``replication`` answer one by one, through
+    write-only open) answers what ``policy`` and ``replication`` answer one by one, through
     sets at several levels, an unset, a rename and a LAZY_PERSIST file's own stamp; and a
     new file takes its directory's, which ``create`` relies on to resolve once."""
     fs = three_volume_fs
@@ -693,6 +693,31 @@ def test_placement_in_one_walk_is_policy_and_replication_each_resolved(three_vol
     for ino, (policy_name, factor) in expected.items():
         assert (resolver.policy(ino).name, resolver.replication(ino)) == (policy_name, factor)
         assert resolver.placement(ino) == (resolver.policy(ino), resolver.replication(ino))
+
+
+@pytest.fixture
+def cold_full_fs(tmp_path, caplog):
+    """A roomy DISK volume and a 1 MiB ARCHIVE one: COLD files have no room for the
+    writeback cache, HOT ones do."""
+    data = tmp_path / "data"
+    make_filesystem(data, [VolumeSpec(StorageType.DISK, data / "disk"),
+                           VolumeSpec(StorageType.ARCHIVE, data / "archive", 1 << 20)],
+                    block_size=BS, bytes_per_checksum=BPC)
+    yield from _serve(data, caplog)
+
+
+def test_a_write_only_create_is_uncached_where_its_directory_s_policy_lacks_room(cold_full_fs):
+    """create decides cached or uncached (``WRITEBACK_HEADROOM``) from the directory's
+    policy, resolved once for the new file: uncached under COLD, whose ARCHIVE volume is
+    nearly full, cached beside it under the HOT default."""
+    fs = cold_full_fs
+    cold = fs.mkdir(b"cold")
+    fs.call(fs.ops.setxattr, cold, b"user.tierfs.storage_policy", b"COLD", fs.ctx)
+    for parent, name, uncached in ((cold, b"c", True), (ROOT_INO, b"h", False)):
+        fi, _ = fs.call(fs.ops.create, parent, name, 0o644, os.O_WRONLY, fs.ctx)
+        assert bool(fi.direct_io) is uncached, name
+        assert fs.ops.handles[fi.fh].direct is uncached
+        fs.release(fi.fh)
 
 
 def test_xattr_value_size_limit(fs):
