@@ -40,6 +40,11 @@ from tierfs.fs.kernel_mount import tune_readahead
 from tierfs.fs.operations import CACHE_TIMEOUT, IO_BLKSIZE
 
 
+SETATTR_FIELDS = {"mode": "mode", "uid": "uid", "gid": "gid",
+                  "atime": "atime_ns", "mtime": "mtime_ns", "ctime": "ctime_ns"}
+"""setattr's ``fields.update_X`` -> the ``Node`` field it sets from ``attr.st_<field>``."""
+
+
 @dataclass
 class Node:
     """One inode; ``children`` only for a directory."""
@@ -172,18 +177,9 @@ class FloorOperations(pyfuse3.Operations):
             finally:
                 os.close(fd)
             node.size = attr.st_size
-        if fields.update_mode:
-            node.mode = attr.st_mode
-        if fields.update_uid:
-            node.uid = attr.st_uid
-        if fields.update_gid:
-            node.gid = attr.st_gid
-        if fields.update_atime:
-            node.atime_ns = attr.st_atime_ns
-        if fields.update_mtime:
-            node.mtime_ns = attr.st_mtime_ns
-        if fields.update_ctime:
-            node.ctime_ns = attr.st_ctime_ns
+        for flag, name in SETATTR_FIELDS.items():
+            if getattr(fields, f"update_{flag}"):
+                setattr(node, name, getattr(attr, f"st_{name}"))
         return self._entry(inode)
 
     async def mkdir(self, parent_inode, name, mode, ctx):
