@@ -616,7 +616,8 @@ class Namespace:
     def inherited_chains(self, ino: int, attrs: tuple[int, ...]
                          ) -> tuple[list[int], list[list[bytes | None]]]:
         """``inherited_chain`` for several attributes in one walk (one list per attribute):
-        placement needs both policy and replication, and walking twice cost a create 10%."""
+        placement needs both policy and replication, and a walk per attribute cost the create
+        handler 13% (with the policy resolved a third time for the copy-on-create stamp)."""
         inos: list[int] = []
         ops: list[list[bytes | None]] = [[] for _ in attrs]
         inherited_db = self.db["inherited"]
