@@ -210,7 +210,7 @@ class FloorOperations(pyfuse3.Operations):
         (os.fdatasync if datasync else os.fsync)(self._fd(fh))
 
     async def flush(self, fh):
-        pass
+        """Nothing to do: data goes to STORE as each WRITE comes (tierfs answers at once too)."""
 
     async def release(self, fh):
         handle = self.handles.pop(fh)
@@ -248,7 +248,7 @@ class FloorOperations(pyfuse3.Operations):
                 return
 
     async def releasedir(self, fh):
-        pass
+        """Nothing to do: opendir keeps no state (the handle is the directory's inode)."""
 
     async def getxattr(self, inode, name, ctx):
         raise pyfuse3.FUSEError(errno.ENODATA)

@@ -713,7 +713,7 @@ class BlockIO:
             self._drop_from_pipeline(of, index, replicas, [r.volume.id for r in failed])
             failed = []
         if index not in of.bumped:
-            self._bump(of, index, replicas)
+            self._restamp(of, index, replicas)  # first change this session
         for replica in replicas:
             try:
                 replica.write(boff, piece)
@@ -729,11 +729,6 @@ class BlockIO:
             self._drop_from_pipeline(of, index, good, [r.volume.id for r in failed])
         if boff + len(piece) > rec.length:
             rec.length = boff + len(piece)
-
-    def _bump(self, of: OpenFile, index: int, replicas: list[Replica]) -> None:
-        """First change of an existing block in this write session: a new generation stamp,
-        on every replica's meta file first, then in the namespace."""
-        self._restamp(of, index, replicas)
 
     def _restamp(self, of: OpenFile, index: int, replicas: list[Replica],
                  leaving: Sequence[int] = ()) -> None:
@@ -852,7 +847,7 @@ class BlockIO:
             cut_at = new_size - last * bs
             replicas = self._replicas(of, last, writable=True)
             if last not in of.bumped:
-                self._bump(of, last, replicas)
+                self._restamp(of, last, replicas)  # first change this session
             for replica in replicas:
                 replica.truncate(cut_at)
             rec.length = cut_at
