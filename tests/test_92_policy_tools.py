@@ -28,7 +28,12 @@ from tierfs.satisfier.policies import PolicySuite
 
 KiB = 1 << 10
 BLOCK = 128 * KiB
-NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+          "--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"]
+"""Another user, running this checkout's ``tierfs``. The checkout may sit where other users
+cannot read (a clone in /root, mode 0700 on a fresh Debian), so that user may read and
+search any file (CAP_DAC_READ_SEARCH): what it is refused below is writing, which that
+capability does not allow."""
 TIERS = (("SSD", "ssd0", "4M"), ("DISK", "disk0", None), ("DISK", "disk1", None),
          ("ARCHIVE", "arc0", None), ("ARCHIVE", "arc1", None))
 HOT_LINE = ("BlockStoragePolicy{HOT:7, storageTypes=[DISK], creationFallbacks=[], "
