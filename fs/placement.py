@@ -80,6 +80,21 @@ def beyond_reach(policy: BlockStoragePolicy, replication: int,
             f"volumes (one per volume)")
 
 
+def wanted_beyond_volumes(policy: BlockStoragePolicy, replication: int,
+                          volume_types: Iterable[StorageType]) -> str | None:
+    """Why no move can ever place a block of ``replication`` replicas as the policy wants
+    on volumes of these types, or None: the policy's own types, one replica per volume,
+    need more volumes of some type than there are (HOT's two DISK replicas on one DISK
+    volume). Such a block waits for a volume to be added, not for the satisfier."""
+    wanted = Counter(policy.choose_storage_types(replication))
+    have = Counter(volume_types)
+    short = [f"{have[t]} {t.name} volume{'s' * (have[t] != 1)}"
+             for t in sorted(wanted) if have[t] < wanted[t]]
+    if not short:
+        return None
+    return f"these volumes cannot hold that (only {', '.join(short)})"
+
+
 def _fill(policy: BlockStoragePolicy, replication: int, chosen_types: list[StorageType],
           new_block: bool, take: Callable[[StorageType], T | None]) -> list[T]:
     """HDFS's ``chooseTarget`` loop: ask the policy for the types still needed, ``take`` a

@@ -30,7 +30,7 @@ from tierfs.backends.volume_set import VolumeSet
 from tierfs.fs.errors import FsError
 from tierfs.fs.inherited import DEFAULT
 from tierfs.fs.namespace import Namespace
-from tierfs.fs.placement import beyond_reach
+from tierfs.fs.placement import beyond_reach, wanted_beyond_volumes
 from tierfs.fs.resolver import ATTR_POLICY, ATTR_REPLICATION, Resolver
 from tierfs.fs.times import now_ns
 from tierfs.satisfier.policies import storage_type_summary
@@ -126,8 +126,11 @@ class PolicyXattrs:
         reasons = []
         if wrong:
             want = storage_type_summary(policy.choose_storage_types(replication))
+            never = wanted_beyond_volumes(policy, replication,
+                                          (v.storage_type for v in self.volumes))
             reasons.append(f"{len(wrong)} of {n} blocks not placed as {policy.name} wants "
-                           f"({want}; e.g. {storage_type_summary(wrong[0])})")
+                           f"({want}; e.g. {storage_type_summary(wrong[0])})"
+                           + (f": {never}" if never else ""))
         if lazy:
             reasons.append(f"{lazy} of {n} blocks only on RAM_DISK, awaiting the lazy writer")
         if under:

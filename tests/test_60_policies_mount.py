@@ -362,7 +362,9 @@ def test_new_blocks_land_on_the_policy_s_storage_types(make_mount, tmp_path):
         assert source_of(f) == f"/{name}" and source_of(f, "replication") == f"/{name}"
         assert get(f, PLACEMENT) == placement[name]
         if name == "all_ssd3":      # the fallback replica is not where ALL_SSD wants it
-            assert get(f, SATISFIED).startswith("no: 3 of 3 blocks not placed as ALL_SSD")
+            assert get(f, SATISFIED) == (
+                "no: 3 of 3 blocks not placed as ALL_SSD wants (SSD:3; e.g. SSD:2,DISK:1): "
+                "these volumes cannot hold that (only 2 SSD volumes)")
         else:
             assert get(f, SATISFIED) == "yes"
         assert f.read_bytes() == data
@@ -370,7 +372,8 @@ def test_new_blocks_land_on_the_policy_s_storage_types(make_mount, tmp_path):
     # A policy change moves nothing by itself: the file is now misplaced, and says so.
     sh(f"setfattr -n {POLICY} -v COLD warm", mnt)
     satisfied = get(mnt / "warm/f", SATISFIED)
-    assert satisfied.startswith("no: 3 of 3 blocks not placed as COLD wants (ARCHIVE:3")
+    assert satisfied == ("no: 3 of 3 blocks not placed as COLD wants (ARCHIVE:3; "
+                         "e.g. DISK:1,ARCHIVE:2)")      # movable: three ARCHIVE volumes
     assert get(mnt / "warm/f", PLACEMENT) == "DISK:1,ARCHIVE:2 x3"
     pending = get(mnt / "warm", SATISFIED)     # a directory: the satisfier's view
     assert pending == "yes" or pending.startswith("pending:") and "/warm" in pending

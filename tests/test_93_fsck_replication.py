@@ -28,8 +28,9 @@ from tierfs.backends.copy import copy_replica
 from tierfs.backends.storage_types import StorageType
 from tierfs.backends.volume_set import VolumeSet
 from tierfs.fs.namespace import Namespace
+from tierfs.fs.placement import wanted_beyond_volumes
 from tierfs.fs.recovery import delete_trash
-from tierfs.fs.schema import ROOT_INO
+from tierfs.fs.schema import ROOT_INO, Inherited
 from tierfs.satisfier.policies import PolicySuite
 from tierfs.satisfier.summary import StoragePolicySummary, classify, tables
 from tierfs.tools import cli
@@ -250,7 +251,8 @@ def test_misplaced_block_is_healthy_and_listed(data, capsys):
     assert "Status: HEALTHY" in out and out.rstrip().endswith("is HEALTHY")
     rec = _block(data, "/cold/f")
     assert (f"/cold/f: Mis-placed blk_{rec.block_id}_{rec.gs} (block 0). Replicas on DISK:1, "
-            "policy COLD wants ARCHIVE:1: moving it is the satisfier's work.") in out
+            "policy COLD wants ARCHIVE:1: these volumes cannot hold that (only 0 ARCHIVE "
+            "volumes).") in out
     assert stat_line(out, "Mis-placed blocks") == "1 (16.7 %)"
     assert stat_line(out, "Over-replicated blocks") == "0 (0.0 %)"
     assert stat_line(out, "Under-replicated blocks") == "0 (0.0 %)"
@@ -317,6 +319,41 @@ def test_listing_lines_are_unchanged(data):
 def _listing(out: str) -> list[str]:
     return [line for line in out.splitlines()
             if FILE_LINE.match(line) or BLOCK_LINE.match(line) or line.endswith(" <dir>")]
+
+
+@pytest.mark.parametrize("policy, replication, volumes, why", [
+    ("HOT", 1, [T.SSD, T.DISK, T.ARCHIVE], None),
+    ("HOT", 2, [T.SSD, T.DISK, T.ARCHIVE], "only 1 DISK volume"),
+    ("HOT", 2, [T.DISK, T.DISK], None),
+    ("WARM", 3, [T.DISK, T.ARCHIVE, T.ARCHIVE], None),
+    ("WARM", 3, [T.DISK, T.ARCHIVE, T.SSD], "only 1 ARCHIVE volume"),
+    ("ONE_SSD", 3, [T.ARCHIVE], "only 0 SSD volumes, 0 DISK volumes"),
+    ("COLD", 1, [T.DISK, T.DISK], "only 0 ARCHIVE volumes"),
+    ("LAZY_PERSIST", 1, [T.RAM_DISK, T.DISK], None),   # it wants DISK; RAM_DISK is a bonus
+])
+def test_a_policy_the_volumes_cannot_hold_is_named(policy, replication, volumes, why):
+    """Mis-placed blocks that no move could fix say why instead of waiting for the
+    satisfier: the policy's own types need more volumes of a type than there are."""
+    got = wanted_beyond_volumes(SUITE.get(policy), replication, volumes)
+    assert got == (why and f"these volumes cannot hold that ({why})")
+
+
+def test_a_misplaced_block_a_move_can_fix_is_the_satisfier_s_work(data, capsys):
+    """/one/f is ONE_SSD with two replicas (SSD and DISK); as ALL_SSD it wants SSD:2, which
+    the two SSD volumes can hold."""
+    fs = Fs(data)
+    try:
+        fs.ns.set_inherited(fs.ino("/one"), Inherited.POLICY, SUITE.get("ALL_SSD").id,
+                            time.time_ns())
+    finally:
+        fs.close()
+    code, out = fsck(data, capsys=capsys)
+    assert code == 0 and kinds(out) == set(), out
+    rec = _block(data, "/one/f")
+    assert (f"/one/f: Mis-placed blk_{rec.block_id}_{rec.gs} (block 0). Replicas on "
+            "SSD:1,DISK:1, policy ALL_SSD wants SSD:2: moving it is the satisfier's work."
+            ) in out
+    assert stat_line(out, "Mis-placed blocks") == "2 (33.3 %)"     # and /cold/f
 
 
 def test_policy_change_through_a_mount_leaves_blocks_misplaced(make_mount, tmp_path, capsys):
