@@ -61,8 +61,6 @@ class _Checker:
         self.misplaced: dict[int, list[Path]] = {}
         # block id -> [servable persistent replicas, the file's replication]
         self.serving: dict[int, list[int]] = {}
-        # (policy name, replication) -> why no move can place such a block here, or None
-        self.beyond_volumes: dict[tuple[str, int], str | None] = {}
         self.newer_files: set[int] = set()   # files with a replica newer than the namespace
         self.unverified_leases: set[int] = set()  # leased files with a bad replica chunk
 
@@ -508,16 +506,10 @@ class _Checker:
             stats.misplaced += 1
             wanted = storage_type_summary(policy.choose_storage_types(target))
             have = storage_type_summary(t for t in types if not t.transient)
-            why = self._beyond_volumes(policy, target) or "moving it is the satisfier's work"
+            why = (wanted_beyond_volumes(policy, target, (v.storage_type for v in self.volumes))
+                   or "moving it is the satisfier's work")
             self.problem("MISPLACED", path, f"Mis-placed {block}. Replicas on {have}, policy "
                          f"{policy.name} wants {wanted}: {why}.", key, health=False)
-
-    def _beyond_volumes(self, policy: BlockStoragePolicy, replication: int) -> str | None:
-        key = (policy.name, replication)
-        if key not in self.beyond_volumes:
-            self.beyond_volumes[key] = wanted_beyond_volumes(
-                policy, replication, (v.storage_type for v in self.volumes))
-        return self.beyond_volumes[key]
 
     def _block_line(self, index: int, rec: BlockRecord, states: list[ReplicaState]) -> str:
         line = (f"{index}. blk_{rec.block_id}_{rec.gs} len={rec.length} "
